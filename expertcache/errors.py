@@ -1,0 +1,40 @@
+"""Exceptions raised by expertcache.
+
+Every error is raised before the cache changes: after any exception the slot tables, the
+policy, the statistics and the slot contents are exactly as they were before the call.
+"""
+
+from __future__ import annotations
+
+
+class CacheCapacityError(ValueError):
+    """One call needs more distinct experts than the cache has slots.
+
+    Attributes:
+        needed: distinct experts (or (layer, expert) keys) the call needs at once.
+        num_slots: slots available to the call.
+    """
+
+    def __init__(self, needed: int, num_slots: int, *, where: str = "") -> None:
+        self.needed = needed
+        self.num_slots = num_slots
+        place = f" ({where})" if where else ""
+        super().__init__(
+            f"this call needs {needed} distinct experts resident at once{place}, but the expert "
+            f"cache has only {num_slots} slots; raise the cache size to at least {needed} "
+            f"(--moe-expert-cache-size {needed}, or cache_size={needed}), or split the batch "
+            f"into smaller calls"
+        )
+
+
+class PinBudgetError(ValueError):
+    """Pinning the backing store would exceed the caller's pinned-memory budget."""
+
+    def __init__(self, needed: int, budget: int) -> None:
+        self.needed = needed
+        self.budget = budget
+        super().__init__(
+            f"the pinned backing store needs {needed} bytes ({needed / 2**30:.2f} GiB) but "
+            f"pin_budget_bytes is {budget} ({budget / 2**30:.2f} GiB); nothing was pinned. "
+            f"Raise the budget (--moe-pin-budget) or serve fewer experts from this process"
+        )

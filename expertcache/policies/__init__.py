@@ -1,0 +1,38 @@
+"""Eviction policies, found by lower-case name.
+
+Add a policy by subclassing `EvictionPolicy` and listing it in ``POLICIES``: the providers,
+the slot table and the simulator take it unchanged.
+"""
+
+from __future__ import annotations
+
+from expertcache.policies.base import EvictionPolicy, Key
+from expertcache.policies.lru import LRUPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    LRUPolicy.name: LRUPolicy,
+}
+
+
+def make_policy(policy: str | EvictionPolicy, *, capacity: int) -> EvictionPolicy:
+    """Return a fresh policy for a name such as ``"lru"``, or ``policy`` itself if given one.
+
+    ``capacity`` is the number of keys the cache holds.
+
+    Raises:
+        ValueError: for an unknown name (the message lists the known ones).
+        TypeError: for anything that is neither a name nor an `EvictionPolicy`.
+    """
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a name or an EvictionPolicy, got {type(policy).__name__}")
+    try:
+        cls = POLICIES[policy.lower()]
+    except KeyError:
+        known = ", ".join(sorted(POLICIES))
+        raise ValueError(f"unknown eviction policy {policy!r}; known policies: {known}") from None
+    return cls(capacity=capacity)
+
+
+__all__ = ["POLICIES", "EvictionPolicy", "Key", "LRUPolicy", "make_policy"]

@@ -1,0 +1,86 @@
+"""The weight-provider interface and the fully resident passthrough.
+
+A weight provider sits between the router and the fused-MoE kernel of one layer::
+
+    topk_ids [T, K] --prepare--> ExpertWeightResult(w1, w2, topk_ids remapped, scales, extra)
+
+so the kernel never knows where the weights came from.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+import torch
+
+from expertcache.kernels import remap_topk_ids
+from expertcache.layout import layout_from_weights
+from expertcache.result import ExpertWeightResult
+from expertcache.validation import check_expert_map, check_topk_ids
+
+_NAMED = ("w1", "w2", "w1_scale", "w2_scale")
+
+
+class ExpertWeightProvider(ABC):
+    """Supplies one MoE layer's expert weights for each fused-MoE call."""
+
+    @abstractmethod
+    def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
+        """Make the weights of every expert in ``topk_ids`` available to the kernel.
+
+        Args:
+            topk_ids: ``[T, K]`` int32 or int64 global expert ids from the router.
+
+        Returns:
+            The weights and ``topk_ids`` remapped into their index space (-1 = not served
+            here; the kernel skips it).
+        """
+
+
+def result_from_tensors(
+    tensors: Mapping[str, torch.Tensor], topk_ids: torch.Tensor
+) -> ExpertWeightResult:
+    """Sort registered tensors into the fixed fields of `ExpertWeightResult` and ``extra``."""
+    return ExpertWeightResult(
+        w1=tensors["w1"],
+        w2=tensors["w2"],
+        topk_ids=topk_ids,
+        w1_scale=tensors.get("w1_scale"),
+        w2_scale=tensors.get("w2_scale"),
+        extra={name: t for name, t in tensors.items() if name not in _NAMED},
+    )
+
+
+class FullGPUProvider(ExpertWeightProvider):
+    """Every expert already resident: the default path, costing one ``if``.
+
+    Args:
+        weights: ``{name: [E, *shape]}`` on the device the kernel runs on (``w1`` and ``w2``
+            required; see `CachedWeightProvider` for the names).
+        expert_map: optional ``[E_global]`` int32 map global id -> local index or -1 (EP);
+            ``weights`` then hold only the local experts.
+
+    ``prepare`` checks only the metadata of ``topk_ids`` (no host sync); its only work is
+    applying ``expert_map``.
+    """
+
+    def __init__(
+        self, weights: Mapping[str, torch.Tensor], *, expert_map: torch.Tensor | None = None
+    ) -> None:
+        num_experts, _ = layout_from_weights(weights)
+        self.device = weights["w1"].device
+        for name, tensor in weights.items():
+            if tensor.device != self.device:
+                raise ValueError(f"weights[{name!r}] is on {tensor.device}, w1 on {self.device}")
+        self.num_experts = num_experts
+        self._tensors = dict(weights)
+        self._expert_map = None
+        if expert_map is not None:
+            self._expert_map = check_expert_map(expert_map, num_experts).to(self.device)
+
+    def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
+        check_topk_ids(topk_ids, self.device)
+        if self._expert_map is not None:
+            topk_ids = remap_topk_ids(topk_ids, self._expert_map)
+        return result_from_tensors(self._tensors, topk_ids)

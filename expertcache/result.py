@@ -1,0 +1,35 @@
+"""`ExpertWeightResult`: what a weight provider hands to the fused-MoE kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertWeightResult:
+    """Expert weights for one fused-MoE call and the ids that index them.
+
+    Attributes:
+        w1: ``[N, 2I, H]`` gate rows then up rows for every expert the kernel may index.
+            ``N`` is the number of slots (cached) or of local experts (fully resident).
+        w2: ``[N, H, I]`` down projections, same index space as ``w1``.
+        topk_ids: ``[T, K]``, same dtype as the ids given to ``prepare``: the router's ids
+            remapped into the index space of ``w1``/``w2``. ``-1`` marks an expert that is
+            not served here (another rank's, under expert parallelism); kernels skip it.
+        w1_scale: per-expert scales of ``w1`` in the same index space, or None.
+        w2_scale: per-expert scales of ``w2`` in the same index space, or None.
+        extra: any other registered per-expert tensor (biases, MXFP4 scales, ...), by the
+            name it was registered under, in the same index space.
+
+    The tensors of a cached provider are views of fixed-address slot buffers: their
+    ``data_ptr()`` never changes, so CUDA graphs and engines may keep them.
+    """
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    topk_ids: torch.Tensor
+    w1_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -1,0 +1,39 @@
+"""Cache statistics: exact counters, read through immutable snapshots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Counters of one provider (or a sum over several).
+
+    Attributes:
+        hits: distinct local experts of a call that were already resident, summed over calls.
+        misses: distinct local experts of a call that had to be copied in, summed over calls.
+        evictions: resident experts dropped to make room, summed over calls.
+        bytes_h2d: bytes copied from the host store into slots.
+        calls: ``prepare`` calls that completed.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_h2d: int = 0
+    calls: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / (hits + misses); 1.0 before any lookup."""
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 1.0
+
+    def __add__(self, other: CacheStats) -> CacheStats:
+        return CacheStats(
+            self.hits + other.hits,
+            self.misses + other.misses,
+            self.evictions + other.evictions,
+            self.bytes_h2d + other.bytes_h2d,
+            self.calls + other.calls,
+        )

@@ -1,0 +1,75 @@
+"""Input checks shared by the providers. Each raises before anything changes."""
+
+from __future__ import annotations
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def resolve_device(device: str | int | torch.device | None) -> torch.device:
+    """The device to hold slots on: the current CUDA device when None and CUDA exists, else CPU.
+
+    Raises:
+        ValueError: an unparsable device, a CUDA device without CUDA, or one that does not
+            exist on this machine.
+    """
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"not a device: {device!r} ({exc})") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"unsupported device {dev}; expertcache serves CUDA devices or the CPU")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {dev} requested but CUDA is not available on this machine")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {dev} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def check_topk_ids(topk_ids: object, device: torch.device) -> torch.Tensor:
+    """Check ``topk_ids`` is an int32/int64 ``[T, K]`` tensor on ``device`` (metadata only)."""
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dtype not in INDEX_DTYPES:
+        raise TypeError(f"topk_ids must be int32 or int64 expert ids, got {topk_ids.dtype}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be 2-D [T, K], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.device != device:
+        raise ValueError(f"topk_ids is on {topk_ids.device}, but the expert weights are on {device}")
+    return topk_ids
+
+
+def check_expert_map(expert_map: object, num_local_experts: int) -> torch.Tensor:
+    """Validate an EP ``expert_map`` (``[E_global]``: local index, or -1) against the weights.
+
+    Every local index ``0 .. num_local_experts-1`` must appear exactly once.
+
+    Returns:
+        The map as a CPU int32 tensor.
+    """
+    if not isinstance(expert_map, torch.Tensor):
+        raise TypeError(f"expert_map must be a tensor, got {type(expert_map).__name__}")
+    if expert_map.dtype not in INDEX_DTYPES:
+        raise TypeError(f"expert_map must be int32 or int64, got {expert_map.dtype}")
+    if expert_map.dim() != 1:
+        raise ValueError(f"expert_map must be 1-D [E_global], got shape {tuple(expert_map.shape)}")
+    values = expert_map.detach().to("cpu", torch.int64)
+    if bool((values < -1).any()):
+        raise ValueError("expert_map entries must be a local expert index or -1")
+    local = values[values >= 0]
+    expected = torch.arange(num_local_experts)
+    if local.numel() != num_local_experts or not torch.equal(local.sort().values, expected):
+        raise ValueError(
+            f"expert_map's local indices must be 0..{num_local_experts - 1}, each exactly once, "
+            f"to match the {num_local_experts} experts in weights; got {local.tolist()[:16]}"
+            + (" ..." if local.numel() > 16 else "")
+        )
+    return values.to(torch.int32)

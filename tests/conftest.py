@@ -1,0 +1,31 @@
+"""Test set-up: Triton kernels run interpreted on CPU-only machines; GPU tests are marked.
+
+``TRITON_INTERPRET`` must be set before any kernel module is imported, so it happens here,
+before the test modules import expertcache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def devices() -> list:
+    """Devices to run device-generic tests on: the CPU, plus CUDA (marked gpu) when present."""
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

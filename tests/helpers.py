@@ -1,0 +1,34 @@
+"""Builders shared by the tests: random expert weights and routing."""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_weights(
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+    extras: bool = False,
+) -> dict[str, torch.Tensor]:
+    """``{"w1": [E, 2I, H], "w2": [E, H, I]}`` (plus scales and a bias when ``extras``)."""
+    weights = {
+        "w1": torch.randn(num_experts, 2 * inter, hidden, generator=generator).to(dtype) / hidden**0.5,
+        "w2": torch.randn(num_experts, hidden, inter, generator=generator).to(dtype) / inter**0.5,
+    }
+    if extras:
+        weights["w1_scale"] = torch.rand(num_experts, generator=generator) + 0.5
+        weights["w2_scale"] = torch.rand(num_experts, 3, generator=generator) + 0.5
+        weights["bias"] = torch.randn(num_experts, hidden, generator=generator).to(dtype)
+    return weights
+
+
+def random_topk(
+    tokens: int, top_k: int, num_experts: int, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``[T, K]`` int64 ids, distinct within each row (as a router's top-k)."""
+    scores = torch.rand(tokens, num_experts, generator=generator)
+    return scores.topk(top_k, dim=-1).indices
