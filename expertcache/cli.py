@@ -1,9 +1,17 @@
-"""The ``expertcache`` command line: ``expertcache demo`` runs the embedded default job."""
+"""The ``expertcache`` command line.
+
+Each subcommand lives in its own module under `expertcache.commands` with a
+``register(subparsers)`` function that adds its parser and sets ``func(args) -> int``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+#: Modules that provide subcommands, in the order ``--help`` lists them.
+COMMAND_MODULES = ("expertcache.commands.demo",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -11,24 +19,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="expertcache",
         description="Serve Mixture-of-Experts weights from host memory through a GPU slot cache.",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the self-contained demo (no GPU, no download)")
-    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    demo.add_argument("--steps", type=int, default=64, help="decode steps (default 64)")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from expertcache.demo_layers import StackConfig, run_demo
-
-        if args.steps < 1:
-            print("expertcache demo: --steps must be at least 1", file=sys.stderr)
-            return 2
-        rows = run_demo(StackConfig(steps=args.steps), device=args.device)
-        return 0 if all(row["identical"] for row in rows) else 1
-    return 2
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Subcommands of the ``expertcache`` CLI, one module each (see `expertcache.cli`)."""
