@@ -124,17 +124,19 @@ def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, Recor
 
 def _check_matrix_shapes(w1: torch.Tensor, w2: torch.Tensor) -> None:
     # Packed quantised formats (uint8 MXFP4, ...) change the last dimensions; only plain
-    # floating-point matrices can be checked against [E, 2I, H] / [E, H, I].
+    # floating-point matrices can be checked. Both the x @ W.T layout ([E, 2I, H], [E, H, I])
+    # and the x @ W layout some hosts keep (GPT-OSS: [E, H, 2I], [E, I, H]) are accepted.
     if not (w1.is_floating_point() and w2.is_floating_point()):
         return
     if w1.dim() != 3 or w2.dim() != 3:
         raise ValueError(
             f"w1 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w1.shape)} and {tuple(w2.shape)}"
         )
-    _, two_i, hidden = w1.shape
-    _, hidden2, inter = w2.shape
-    if hidden != hidden2 or two_i != 2 * inter:
+    _, a, b = w1.shape
+    _, c, d = w2.shape
+    transposed_w = b == 2 * c and a == d  # [E, H, 2I], [E, I, H]
+    if not ((b == c and a == 2 * d) or transposed_w):
         raise ValueError(
             f"w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} disagree: expected w1 [E, 2I, H] "
-            f"and w2 [E, H, I]"
+            f"and w2 [E, H, I] (or the transposed [E, H, 2I] and [E, I, H])"
         )
