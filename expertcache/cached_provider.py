@@ -218,6 +218,5 @@ def _check_cache_size(cache_size: object, num_experts: int) -> None:
         raise TypeError(f"cache_size must be an int, got {type(cache_size).__name__}")
     if not 1 <= cache_size <= num_experts:
         raise ValueError(
-            f"cache_size must be between 1 and the number of local experts ({num_experts}), "
-            f"got {cache_size}"
+            f"cache_size must be between 1 and the number of local experts ({num_experts}), got {cache_size}"
         )

@@ -38,9 +38,7 @@ class ExpertWeightProvider(ABC):
         """
 
 
-def result_from_tensors(
-    tensors: Mapping[str, torch.Tensor], topk_ids: torch.Tensor
-) -> ExpertWeightResult:
+def result_from_tensors(tensors: Mapping[str, torch.Tensor], topk_ids: torch.Tensor) -> ExpertWeightResult:
     """Sort registered tensors into the fixed fields of `ExpertWeightResult` and ``extra``."""
     return ExpertWeightResult(
         w1=tensors["w1"],
@@ -65,9 +63,7 @@ class FullGPUProvider(ExpertWeightProvider):
     applying ``expert_map``.
     """
 
-    def __init__(
-        self, weights: Mapping[str, torch.Tensor], *, expert_map: torch.Tensor | None = None
-    ) -> None:
+    def __init__(self, weights: Mapping[str, torch.Tensor], *, expert_map: torch.Tensor | None = None) -> None:
         num_experts, _ = layout_from_weights(weights)
         self.device = weights["w1"].device
         for name, tensor in weights.items():

@@ -52,8 +52,7 @@ def moe_forward(
         raise ValueError(f"unknown activation {activation!r}; known: {sorted(ACTIVATIONS)}") from None
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2:
         raise ValueError(
-            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-            f"must both be [T, K]"
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T, K]"
         )
     tokens, top_k = topk_ids.shape
     per_choice = hidden.new_zeros(tokens, top_k, w2.shape[1])  # y_tk, [T, K, H]

@@ -70,9 +70,7 @@ class SlotPool:
         self.layout = layout
         self.device = resolve_device(device)
         self.table = SlotTable(num_slots, policy=policy)
-        self.records = torch.full(
-            (num_slots, layout.record_bytes), _POISON, dtype=torch.uint8, device=self.device
-        )
+        self.records = torch.full((num_slots, layout.record_bytes), _POISON, dtype=torch.uint8, device=self.device)
         self.tensors = layout.views(self.records)
         self._layers: dict[Hashable, _Layer] = {}
         self._expert_to_slot: dict[Hashable, np.ndarray] = {}
@@ -200,9 +198,7 @@ class DeviceSlotPool(SlotPool):
         entry = self._layers[layer]
         self.device_table.admit(entry.index, entry.key_offset, topk_ids, entry.global_to_local, out)
         state = self.device_table.state
-        copy_planned_records(
-            entry.store.records, self.records, state.plan_expert, state.plan_slot, state.plan_count
-        )
+        copy_planned_records(entry.store.records, self.records, state.plan_expert, state.plan_slot, state.plan_count)
         return out
 
     def stats(self, layer: Hashable) -> CacheStats:

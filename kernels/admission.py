@@ -70,9 +70,7 @@ def _admit_kernel(
     for start in range(0, num_ids, BLOCK_IDS):
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
-        _, key, is_local, _ = _keys_of(
-            ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset
-        )
+        _, key, is_local, _ = _keys_of(ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset)
         tl.atomic_min(first_seen_ptr + key, positions, mask=is_local)
     tl.debug_barrier()
 
@@ -129,9 +127,7 @@ def _admit_kernel(
     for start in range(0, num_ids, BLOCK_IDS):
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
-        _, key, is_local, _ = _keys_of(
-            ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset
-        )
+        _, key, is_local, _ = _keys_of(ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset)
         slot = tl.load(expert_to_slot_ptr + key, mask=is_local, other=-1)
         tl.store(out_ptr + positions, slot.to(out_ptr.dtype.element_ty), mask=in_bounds)
         tl.store(first_seen_ptr + key, 2147483647, mask=is_local)

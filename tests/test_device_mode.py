@@ -97,7 +97,9 @@ def test_device_admission_equals_host_lru(device):
     machine = type("Machine", (HostVersusDevice,), {"device": device})
     run_state_machine_as_test(
         machine,
-        settings=settings(max_examples=25, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)),
+        settings=settings(
+            max_examples=25, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)
+        ),
     )
     assert STEPS["count"] >= 300, STEPS["count"]
 

@@ -50,7 +50,7 @@ def test_graph_replays_equal_eager_and_full_weights(layers, experts, slots, top_
     host = stack(lambda w: CachedWeightProvider(w, cache_size=slots, device="cuda", mode="host"))
     graphed_stack = stack(lambda w: CachedWeightProvider(w, cache_size=slots, device="cuda", mode="device"))
     graphed = GraphedDecodeStep(graphed_stack, hidden[0], routing[:1])
-    for name, other in (("full", full), ("eager", eager), ("host", host)):
+    for other in (full, eager, host):
         other.step(hidden[0], routing[0])  # the warm-up step the graph ran
     for step in range(1, steps + 1):
         out = graphed(hidden[step], routing[step]).clone()
@@ -58,7 +58,9 @@ def test_graph_replays_equal_eager_and_full_weights(layers, experts, slots, top_
         assert torch.equal(out, eager.step(hidden[step], routing[step])), step
         assert torch.equal(out, host.step(hidden[step], routing[step])), step
     misses = 0
-    for graphed_layer, eager_layer, host_layer in zip(graphed_stack.providers, eager.providers, host.providers, strict=True):
+    for graphed_layer, eager_layer, host_layer in zip(
+        graphed_stack.providers, eager.providers, host.providers, strict=True
+    ):
         assert graphed_layer.stats == eager_layer.stats == host_layer.stats
         misses += graphed_layer.stats.misses
         _slots_match_store(graphed_layer)
