@@ -114,8 +114,8 @@ def main() -> None:
           f"{big_gbps:.1f} GB/s for 8 records ({8 * record / 1e6:.1f} MB)")  # fmt: skip
     prepare_rows = bench_prepare(weights, args.calls, copy_gbps)
     columns = ["mode", "misses_per_call", "ms_per_call", "p90_ms", "miss_gbps", "pinned_gbps", "bound_ms"]
-    print_table(prepare_rows, [*columns, "ratio_to_bound"],
-                title=f"prepare(), Qwen3-30B-A3B experts (bound = miss bytes / {copy_gbps:.1f} GB/s pinned)")  # fmt: skip
+    title = f"prepare(), Qwen3-30B-A3B experts (bound = miss bytes / {copy_gbps:.1f} GB/s pinned)"
+    print_table(prepare_rows, [*columns, "ratio_to_bound"], title=title)
     remap_rows = bench_remap(repeats=50)
     print_table(remap_rows, ["variant", "eager_us", "graph_us"], title="remap of [1, 8] ids, per call")
     path = append_csv("bench_prepare", [*prepare_rows, *remap_rows])
