@@ -14,6 +14,16 @@ import torch
 import triton
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def traces_dir() -> Path:
+    """The real routing traces: $EXPERTCACHE_TRACES, else ../shared/traces, else .traces/ (carried)."""
+    candidates = [os.environ.get("EXPERTCACHE_TRACES", ""), ROOT.parent / "shared" / "traces", ROOT / ".traces"]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_dir():
+            return Path(candidate)
+    raise FileNotFoundError("no routing traces: set EXPERTCACHE_TRACES or place them in ../shared/traces")
 
 
 def environment() -> dict[str, str]:

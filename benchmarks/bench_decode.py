@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_csv, cuda_time_ms, pinned_copy_gbps, print_table  # noqa: E402
+from _common import append_csv, cuda_time_ms, pinned_copy_gbps, print_table, traces_dir  # noqa: E402
 from baselines import FlashlibLRUProvider, WholeLayerStreamingProvider  # noqa: E402
 
 from expertcache import CachedWeightProvider, FullGPUProvider  # noqa: E402
@@ -38,7 +38,6 @@ from expertcache.slot_pool import SlotPool  # noqa: E402
 from expertcache.stats import CacheStats  # noqa: E402
 from expertcache.store import CPUBackingStore  # noqa: E402
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 QWEN3 = dict(name="Qwen3-30B-A3B", hidden=2048, inter=768, experts=128, top_k=8,
              trace="qwen3-30b-a3b-instruct-2507__local-moe-inference-stack")  # fmt: skip
 
@@ -132,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     shape = QWEN3
     E, H, inter, L = shape["experts"], shape["hidden"], shape["inter"], args.layers
-    routing = torch.from_numpy(qwen3_routing(TRACES / shape["trace"], L)).cuda()[:, :, None, :]  # [N, L, 1, K]
+    routing = torch.from_numpy(qwen3_routing(traces_dir() / shape["trace"], L)).cuda()[:, :, None, :]  # [N, L, 1, K]
     steps = routing.shape[0]
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(steps, 1, H, device="cuda", generator=gen, dtype=torch.bfloat16)
