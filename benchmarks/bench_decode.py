@@ -96,8 +96,10 @@ def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
         plan_slot = torch.randperm(32)[:count].int().cuda()
         plan_count = torch.tensor([count], dtype=torch.int32, device="cuda")
 
-        def kernel_copy(programs, experts=experts, plan_slot=plan_slot, plan_count=plan_count):
-            copy_planned_records(store.records, pool.records, experts, plan_slot, plan_count, num_programs=programs)
+        def kernel_copy(programs, block, experts=experts, plan_slot=plan_slot, plan_count=plan_count):
+            copy_planned_records(
+                store.records, pool.records, experts, plan_slot, plan_count, num_programs=programs, block=block
+            )
 
         nbytes = count * store.layout.record_bytes
         engine_ms = cuda_time_ms(
@@ -108,9 +110,9 @@ def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
             repeats=20,
         )
         row = {"records": count, "mb": nbytes / 1e6, "copy_engine_gbps": nbytes / engine_ms / 1e6}
-        for programs in (16, 32, 64, 132, 264):
-            ms = cuda_time_ms(lambda programs=programs: kernel_copy(programs), repeats=20)
-            row[f"kernel_{programs}_gbps"] = nbytes / ms / 1e6
+        for programs, block in ((16, 4096), (64, 4096), (132, 4096), (64, 1024), (64, 16384), (132, 16384)):
+            ms = cuda_time_ms(lambda programs=programs, block=block: kernel_copy(programs, block), repeats=20)
+            row[f"kernel_{programs}x{block}_gbps"] = nbytes / ms / 1e6
         row["best_kernel_vs_pinned"] = max(v for k, v in row.items() if k.startswith("kernel_")) / copy_gbps
         rows.append(row)
     return rows

@@ -23,7 +23,7 @@ steps=${*:-tests prepare decode}
 for step in $steps; do
   echo "=== $step"
   case $step in
-    tests) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=6 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     prepare) timeout 180 python3 benchmarks/bench_prepare.py 2>&1 | tee "$OUT/bench_prepare.log" ;;
     decode) timeout 400 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" ;;
     *) echo "unknown step $step" ;;

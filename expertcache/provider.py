@@ -17,6 +17,7 @@ import torch
 from expertcache.kernels import remap_topk_ids
 from expertcache.layout import layout_from_weights
 from expertcache.result import ExpertWeightResult
+from expertcache.stats import CacheStats
 from expertcache.validation import check_expert_map, check_topk_ids
 
 _NAMED = ("w1", "w2", "w1_scale", "w2_scale")
@@ -24,6 +25,11 @@ _NAMED = ("w1", "w2", "w1_scale", "w2_scale")
 
 class ExpertWeightProvider(ABC):
     """Supplies one MoE layer's expert weights for each fused-MoE call."""
+
+    @property
+    def stats(self) -> CacheStats:
+        """Cache counters; a provider that caches nothing reports none."""
+        return CacheStats()
 
     @abstractmethod
     def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:

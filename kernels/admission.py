@@ -43,7 +43,7 @@ from expertcache.kernels._launch import runs_on
 
 FIRST_SEEN_EMPTY = 2**31 - 1
 COUNTERS = ("hits", "misses", "evictions", "calls", "invalid_ids")
-_KEY_MAX = 2**63 - 1
+_KEY_MAX = tl.constexpr(2**63 - 1)  # Triton kernels read only constexpr globals
 
 
 @triton.jit

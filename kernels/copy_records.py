@@ -104,5 +104,5 @@ def copy_planned_records(
     _copy_records_kernel[(num_programs,)](
         source_arg, slots.view(torch.int32), plan_expert, plan_slot, plan_count,
         record_words, triton.cdiv(record_words, block),
-        BLOCK=block, NUM_PROGRAMS=num_programs, num_warps=8,
+        BLOCK=block, NUM_PROGRAMS=num_programs, num_warps=min(16, max(4, block // 512)),
     )  # fmt: skip
