@@ -136,14 +136,3 @@ def test_a_call_where_every_choice_is_skipped_gives_zeros():
     )
     out = rank.outputs(torch.randn(3, HIDDEN), torch.full((3, 2), -1))
     assert torch.equal(out, torch.zeros(3, 2, HIDDEN))
-
-
-@pytest.mark.parametrize("bad", [-2, 4])
-def test_ids_outside_the_layer_are_refused(bad):
-    partition = ExpertPartition(4, 2)
-    rank = LocalExperts.from_full_weights(
-        random_weights(4, HIDDEN, INTER), partition, 0, cache_size=1
-    )
-    with pytest.raises(IndexError):
-        rank.outputs(torch.randn(1, HIDDEN), torch.tensor([[0, bad]]))
-    assert rank.resident_experts() == frozenset()

@@ -131,8 +131,8 @@ class ExpertParallelMoE:
 
 
 def _check_inputs(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
-    # Metadata only: ids are range-checked by every rank's provider on the gathered ids, so
-    # a bad id fails on all ranks at the same point instead of leaving the others waiting.
+    # Metadata only: every rank's provider judges the same gathered ids, so all ranks treat
+    # an id outside the layer alike (none is left waiting in a collective).
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:

@@ -138,14 +138,14 @@ class LocalExperts:
     def _outputs_in_groups(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, pending: PendingWork | None
     ) -> torch.Tensor:
-        group_of = self._groups(topk_ids)
+        group_of, leaders = self._groups(topk_ids)
         group_table = torch.from_numpy(group_of).to(self.device)
         groups = group_table[topk_ids.clamp(min=0).long()].masked_fill(topk_ids < 0, -1)
         out = None
-        for group in range(int(group_of.max()) + 1):
+        for group, leader in enumerate(leaders):
             member = groups == group
-            first = topk_ids[member][0]  # an id of the group: stands in for the others
-            result = self.provider.prepare(torch.where(member, topk_ids, first))
+            # Every other id becomes the group's leader, so the call admits only the group.
+            result = self.provider.prepare(torch.where(member, topk_ids, leader))
             _wait(pending)
             slot_ids = torch.where(member, result.topk_ids, -1)
             part = expert_outputs(
@@ -155,22 +155,24 @@ class LocalExperts:
         assert out is not None  # only reached with more local experts than slots
         return out
 
-    def _groups(self, topk_ids: torch.Tensor) -> np.ndarray:
-        """``[E]`` int64: the group of each local expert this call uses, -1 for the rest."""
+    def _groups(self, topk_ids: torch.Tensor) -> tuple[np.ndarray, list[int]]:
+        """The group of each global id this call uses (``[E]`` int64, -1: none of mine)
+        and each group's first expert."""
         flat = topk_ids.reshape(-1).cpu().numpy()
         flat = flat[flat >= 0]
         mine = flat[self._local_of_global[flat] >= 0]
         _, first = np.unique(mine, return_index=True)
         in_order = mine[np.sort(first)]
+        size = self.provider.pool.num_slots
         group_of = np.full(self.partition.num_experts, -1, dtype=np.int64)
-        group_of[in_order] = np.arange(in_order.size) // self.provider.pool.num_slots
-        return group_of
+        group_of[in_order] = np.arange(in_order.size) // size
+        return group_of, in_order[::size].tolist()
 
 
 def _fill_skips(topk_ids: torch.Tensor) -> torch.Tensor:
     # -1 entries take the call's largest id, which the call uses anyway (or 0 when every
-    # entry is -1: a call with nothing to compute then looks up one expert). Other negative
-    # ids stay, for the provider to reject.
+    # entry is -1: a call with nothing to compute then looks up one expert). Other ids
+    # outside the layer stay, for the provider to judge.
     fill = topk_ids.max().clamp(min=0) if topk_ids.numel() else topk_ids.new_zeros(())
     return torch.where(topk_ids == -1, fill, topk_ids)
 
