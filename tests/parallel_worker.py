@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import random_topk, random_weights
@@ -47,6 +48,11 @@ def check_rank(rank: int, world_size: int, scheme: str, steps: int, pacing: bool
     weights = random_weights(NUM_EXPERTS, HIDDEN, INTER, generator=gen)
     local = LocalExperts.from_full_weights(weights, partition, rank, cache_size=CACHE_SIZE)
     layer = ExpertParallelMoE(local, pacing=pacing, pacing_chunk_bytes=200)
+    other = (rank + 1) % world_size
+    if other != rank:  # experts built for another rank are refused before any collective
+        wrong = LocalExperts.from_full_weights(weights, partition, other, cache_size=CACHE_SIZE)
+        with pytest.raises(ValueError, match="built for rank"):
+            ExpertParallelMoE(wrong)
     owners = partition.owners()
     expected_lookups = [0] * world_size
     for _ in range(steps):
