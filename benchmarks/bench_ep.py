@@ -5,9 +5,11 @@ over the ranks (`ExpertParallelMoE`, contiguous placement by default); each rank
 ``--tokens-per-rank`` sequences whose routing is replayed from the real Qwen3 trace (layer
 columns spread over its 48 layers). For every cache size (a fraction of each rank's local
 experts, per layer) and pacing off/on, it times ``--steps`` decode steps after ``--warmup``
-and reports, per rank: mean/median/p90 step time, hit rate, misses per step, MB copied,
-pacing holds. Rank 0 prints a table and appends one CSV row per rank and configuration
-(GPU name, versions, commit) to ``--csv``.
+and reports, per rank and run (``--repeats`` runs alternate off and on): mean, median and
+p90 step time, hit rate, misses per step, MB copied, pacing holds. Rank 0 prints a table
+and appends one CSV row per rank and run (GPU name, versions, NCCL, commit) to
+``benchmarks/results/bench_ep.csv``. Each layer's experts are pinned once and shared by
+every configuration (a fresh slot cache each time).
 
 Two GPUs (NCCL)::
 
@@ -44,11 +46,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from ep_report import append_csv, print_table  # noqa: E402
+from _common import append_csv, print_table  # noqa: E402
 from ep_routing import DecodeReplay, default_trace_path, load_sequences, pick_columns  # noqa: E402
 
+from expertcache.layout import layout_from_weights  # noqa: E402
 from expertcache.parallel import ExpertParallelMoE, ExpertPartition, LocalExperts  # noqa: E402
 from expertcache.stats import CacheStats  # noqa: E402
+from expertcache.store import CPUBackingStore  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--fractions", default="0.25,0.5", help="cache sizes, of local experts")
     p.add_argument("--pacing", default="off,on", help="pacing settings to run")
+    p.add_argument("--repeats", type=int, default=2, help="runs of the pacing settings, alternated")
     p.add_argument("--chunk-mib", type=float, default=4.0, help="pacing chunk (MiB)")
     p.add_argument("--scheme", default="contiguous", choices=["contiguous", "round_robin"])
     p.add_argument("--hidden", type=int, default=2048)
@@ -69,7 +74,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--spawn", type=int, default=0, help="start N ranks here (else torchrun)")
-    p.add_argument("--csv", type=Path, default=REPO_ROOT / "benchmarks/results/bench_ep.csv")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -100,8 +104,10 @@ def run_rank(rank: int, world_size: int, port: int | None, args: argparse.Namesp
         dist.all_gather_object(gathered, results)
         if rank == 0:
             rows = [row for per_rank in zip(*gathered, strict=True) for row in per_rank]
-            print_table(rows)
-            append_csv(args.csv, rows, device=device, repo_root=REPO_ROOT)
+            nccl = torch.cuda.nccl.version() if device.type == "cuda" else ()
+            rows = [{**row, "nccl": ".".join(map(str, nccl))} for row in rows]
+            print_table(rows, TABLE, title=title(rows[0]))
+            print(f"appended {len(rows)} rows to {append_csv('bench_ep', rows)}")
     finally:
         dist.destroy_process_group()
 
@@ -112,31 +118,31 @@ def benchmark(rank: int, world_size: int, device: torch.device, args) -> list[di
     replay = DecodeReplay(sequences, rank=rank, tokens_per_rank=args.tokens_per_rank)
     partition = ExpertPartition(num_experts, world_size, args.scheme)
     dtype = getattr(torch, args.dtype)
-    weights = [
-        expert_weights(len(partition.local_experts(rank)), args, dtype, device, seed)
-        for seed in range(args.seed, args.seed + len(columns))
-    ]
     local_count = len(partition.local_experts(rank))
+    stores = [pinned_store(local_count, args, dtype, device, seed) for seed in range(len(columns))]
     rows = []
+    settings = [p.strip() == "on" for p in args.pacing.split(",")]
     for fraction in [float(f) for f in args.fractions.split(",")]:
-        for pacing in [p.strip() == "on" for p in args.pacing.split(",")]:
+        for repeat, pacing in ((r, p) for r in range(args.repeats) for p in settings):
             slots = max(1, round(fraction * local_count))
             layers = [
                 ExpertParallelMoE(
-                    LocalExperts(w, partition, rank, cache_size=slots, device=device),
+                    LocalExperts(store, partition, rank, cache_size=slots, device=device),
                     pacing=pacing,
                     pacing_chunk_bytes=int(args.chunk_mib * (1 << 20)),
                 )
-                for w in weights
+                for store in stores
             ]
             row = run_steps(layers, replay, columns, args, dtype, device)
             row.update(
+                cache=f"{fraction:.0%} ({slots}/{local_count})",
                 rank=rank,
                 world_size=world_size,
                 fraction=fraction,
                 slots=slots,
                 local_experts=local_count,
                 pacing="on" if pacing else "off",
+                repeat=repeat,
                 record_bytes=layers[0].local.provider.pool.layout.record_bytes,
                 layers=len(columns),
                 tokens_per_rank=args.tokens_per_rank,
@@ -149,19 +155,21 @@ def benchmark(rank: int, world_size: int, device: torch.device, args) -> list[di
             )
             rows.append(row)
             del layers
-            gc.collect()  # unpin this configuration's stores before the next is built
+            gc.collect()  # free this configuration's slot buffers before the next
     return rows
 
 
-def expert_weights(count: int, args, dtype: torch.dtype, device: torch.device, seed: int):
-    """Random ``{"w1": [count, 2I, H], "w2": [count, H, I]}`` on the host."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+def pinned_store(count: int, args, dtype, device: torch.device, seed: int) -> CPUBackingStore:
+    """Random ``w1`` ``[count, 2I, H]`` and ``w2`` ``[count, H, I]`` in a (pinned) store."""
+    gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + seed)
     shapes = {"w1": (count, 2 * args.inter, args.hidden), "w2": (count, args.hidden, args.inter)}
     scale = {"w1": args.hidden**-0.5, "w2": args.inter**-0.5}
-    return {
+    weights = {
         name: (torch.randn(shape, generator=gen, device=device) * scale[name]).to(dtype).cpu()
         for name, shape in shapes.items()
     }
+    _, layout = layout_from_weights(weights)
+    return CPUBackingStore(layout, weights, pin=device.type == "cuda")
 
 
 def run_steps(layers, replay: DecodeReplay, columns, args, dtype, device) -> dict:
@@ -195,6 +203,30 @@ def run_steps(layers, replay: DecodeReplay, columns, args, dtype, device) -> dic
         "holds": sum(layer.pacer.stats.holds for layer in layers) - before[1],
         "steps": args.steps,
     }
+
+
+TABLE = [
+    "cache",
+    "pacing",
+    "repeat",
+    "rank",
+    "step_ms_mean",
+    "step_ms_median",
+    "step_ms_p90",
+    "hit_rate",
+    "misses_per_step",
+    "mb_copied",
+    "holds",
+]
+
+
+def title(row: dict) -> str:
+    return (
+        f"EP benchmark: {row['world_size']} ranks, {row['layers']} layers, "
+        f"E={row['num_experts']} ({row['scheme']}), H={row['hidden']}, I={row['inter']}, "
+        f"{row['dtype']}, {row['tokens_per_rank']} token(s)/rank/step, {row['steps']} timed "
+        f"steps, expert record {row['record_bytes'] / 1e6:.2f} MB"
+    )
 
 
 def total_stats(layers) -> CacheStats:

@@ -28,12 +28,8 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 def qwen3_weights(dtype, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return {
-        "w1": (
-            torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5
-        ).to(dtype),
-        "w2": (
-            torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen, device="cuda") / INTER**0.5
-        ).to(dtype),
+        "w1": (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5).to(dtype),
+        "w2": (torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen, device="cuda") / INTER**0.5).to(dtype),
     }
 
 

@@ -57,9 +57,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("num_experts, world_size, scheme, cache_size, max_tokens", LAYOUTS)
-def test_ranks_together_equal_the_reference(
-    device, num_experts, world_size, scheme, cache_size, max_tokens
-):
+def test_ranks_together_equal_the_reference(device, num_experts, world_size, scheme, cache_size, max_tokens):
     gen = torch.Generator().manual_seed(num_experts * 10 + world_size)
     partition = ExpertPartition(num_experts, world_size, scheme)
     weights = random_weights(num_experts, HIDDEN, INTER, generator=gen)
@@ -116,10 +114,7 @@ def test_prefill_with_more_local_experts_than_slots(device):
     gen = torch.Generator().manual_seed(9)
     partition = ExpertPartition(16, 2)
     weights = random_weights(16, HIDDEN, INTER, generator=gen)
-    ranks = [
-        LocalExperts.from_full_weights(weights, partition, r, cache_size=2, device=device)
-        for r in range(2)
-    ]
+    ranks = [LocalExperts.from_full_weights(weights, partition, r, cache_size=2, device=device) for r in range(2)]
     hidden, router_weights, ids = routed_batch(64, 4, 16, gen, device)
     full = {name: t.to(device) for name, t in weights.items()}
     reference = moe_forward(hidden, full["w1"], full["w2"], router_weights, ids)
@@ -131,8 +126,6 @@ def test_prefill_with_more_local_experts_than_slots(device):
 
 def test_a_call_where_every_choice_is_skipped_gives_zeros():
     partition = ExpertPartition(4, 2)
-    rank = LocalExperts.from_full_weights(
-        random_weights(4, HIDDEN, INTER), partition, 1, cache_size=1
-    )
+    rank = LocalExperts.from_full_weights(random_weights(4, HIDDEN, INTER), partition, 1, cache_size=1)
     out = rank.outputs(torch.randn(3, HIDDEN), torch.full((3, 2), -1))
     assert torch.equal(out, torch.zeros(3, 2, HIDDEN))

@@ -68,9 +68,7 @@ class ExpertParallelMoE:
             )
         self.local = local
         self.group = group
-        self.pacer = CopyPacer(
-            world_size=world_size, enabled=pacing, chunk_bytes=pacing_chunk_bytes
-        )
+        self.pacer = CopyPacer(world_size=world_size, enabled=pacing, chunk_bytes=pacing_chunk_bytes)
         self.pacer.install(local.provider.pool)
         owners = torch.from_numpy(local.partition.owners())
         self._owner_of = owners.to(local.device)
@@ -96,9 +94,7 @@ class ExpertParallelMoE:
 
     # -- the call --------------------------------------------------------------------------
 
-    def __call__(
-        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's tokens through the layer; every rank of the group must call it.
 
         Args:
@@ -137,8 +133,7 @@ def _check_inputs(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:
         raise ValueError(
-            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-            f"must both be [T, K]"
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T, K]"
         )
     if topk_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"{topk_ids.shape[0]} routing rows for {hidden.shape[0]} tokens")

@@ -36,6 +36,7 @@ from expertcache.parallel.partition import ExpertPartition
 from expertcache.policies import EvictionPolicy
 from expertcache.reference import expert_outputs
 from expertcache.stats import CacheStats
+from expertcache.store import CPUBackingStore
 
 
 class LocalExperts:
@@ -43,7 +44,8 @@ class LocalExperts:
 
     Args:
         weights: ``{name: [E_local, *shape]}``: this rank's experts in the order of
-            ``partition.local_experts(rank)`` (see `CachedWeightProvider` for the names).
+            ``partition.local_experts(rank)`` (see `CachedWeightProvider` for the names),
+            or a `CPUBackingStore` of them, to share one pinned copy between caches.
         partition: placement of the layer's experts on the ranks.
         rank: this rank.
         cache_size: GPU slots for this rank's experts, ``1 <= cache_size <= E_local``.
@@ -55,7 +57,7 @@ class LocalExperts:
 
     def __init__(
         self,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor] | CPUBackingStore,
         partition: ExpertPartition,
         rank: int,
         *,
@@ -148,9 +150,7 @@ class LocalExperts:
             result = self.provider.prepare(torch.where(member, topk_ids, leader))
             _wait(pending)
             slot_ids = torch.where(member, result.topk_ids, -1)
-            part = expert_outputs(
-                hidden, result.w1, result.w2, slot_ids, activation=self.activation
-            )
+            part = expert_outputs(hidden, result.w1, result.w2, slot_ids, activation=self.activation)
             out = part if out is None else torch.where(member.unsqueeze(-1), part, out)
         assert out is not None  # only reached with more local experts than slots
         return out

@@ -59,9 +59,7 @@ class CopyPacer:
         chunk_bytes: bytes per copy chunk, at least 1.
     """
 
-    def __init__(
-        self, *, world_size: int, enabled: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    ) -> None:
+    def __init__(self, *, world_size: int, enabled: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self.engaged = bool(enabled) and world_size > 1
@@ -95,9 +93,7 @@ class CopyPacer:
             end = min(start + self.chunk_bytes, total)
             destination[start:end].copy_(source[start:end], non_blocking=True)
             chunks += 1
-        self._stats = PacingStats(
-            self._stats.records + 1, self._stats.chunks + chunks, self._stats.holds + holds
-        )
+        self._stats = PacingStats(self._stats.records + 1, self._stats.chunks + chunks, self._stats.holds + holds)
 
     def _hold(self) -> int:
         work = self._in_flight

@@ -82,8 +82,7 @@ def rank_manifest(layer: ExpertParallelMoE) -> dict[str, Any]:
         "record_bytes": layout.record_bytes,
         "payload_bytes": layout.payload_bytes,
         "tensors": [
-            {"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype), "bytes": s.nbytes}
-            for s in layout.specs
+            {"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype), "bytes": s.nbytes} for s in layout.specs
         ],
         "host_bytes": store.nbytes,
         "pinned_bytes": store.nbytes if store.pinned else 0,
@@ -94,9 +93,7 @@ def rank_manifest(layer: ExpertParallelMoE) -> dict[str, Any]:
     }
 
 
-def gather_manifests(
-    layer: ExpertParallelMoE, *, group: dist.ProcessGroup | None = None
-) -> list[dict[str, Any]]:
+def gather_manifests(layer: ExpertParallelMoE, *, group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
     """Every rank's `rank_manifest` of ``layer``, in rank order; every rank must call it."""
     manifests: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(manifests, rank_manifest(layer), group=group)
