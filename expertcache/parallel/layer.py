@@ -117,8 +117,10 @@ class ExpertParallelMoE:
         assert work is not None
         if self.pacer.engaged:
             self.pacer.track(work)
-        per_choice = self.local.outputs(all_hidden, all_ids, pending=work)
-        self.pacer.release()
+        try:
+            per_choice = self.local.outputs(all_hidden, all_ids, pending=work)
+        finally:
+            self.pacer.release()
         received = exchange_rows(per_choice, group=self.group)[:, :tokens]  # [R, T_r, K, H]
         owner = self._owner_of[topk_ids.clamp(min=0).long()]  # -1 ids: every rank sent zeros
         index = owner[None, :, :, None].expand(1, *received.shape[1:])
