@@ -46,20 +46,23 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from _common import append_csv, print_table  # noqa: E402
-from ep_routing import DecodeReplay, default_trace_path, load_sequences, pick_columns  # noqa: E402
+from _common import append_csv, print_table, traces_dir  # noqa: E402
+from ep_routing import QWEN3_TRACE, DecodeReplay, load_sequences, pick_columns  # noqa: E402
 
 from expertcache.layout import layout_from_weights  # noqa: E402
 from expertcache.parallel import ExpertParallelMoE, ExpertPartition, LocalExperts  # noqa: E402
 from expertcache.stats import CacheStats  # noqa: E402
 from expertcache.store import CPUBackingStore  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--trace", type=Path, default=None, help="JSONL window dir or .npz trace")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="JSONL window dir or .npz (default: the Qwen3 windows in benchmarks/_common.traces_dir())",
+    )
     p.add_argument("--layers", type=int, default=8, help="MoE layers (trace columns) per step")
     p.add_argument("--tokens-per-rank", type=int, default=1, help="decode batch per rank")
     p.add_argument("--steps", type=int, default=64)
@@ -113,7 +116,7 @@ def run_rank(rank: int, world_size: int, port: int | None, args: argparse.Namesp
 
 
 def benchmark(rank: int, world_size: int, device: torch.device, args) -> list[dict]:
-    sequences, num_experts = load_sequences(args.trace or default_trace_path(REPO_ROOT), 8)
+    sequences, num_experts = load_sequences(args.trace or traces_dir() / QWEN3_TRACE, 8)
     columns = pick_columns(sequences[0].shape[1], args.layers)
     replay = DecodeReplay(sequences, rank=rank, tokens_per_rank=args.tokens_per_rank)
     partition = ExpertPartition(num_experts, world_size, args.scheme)

@@ -1,7 +1,7 @@
 """Routing for `bench_ep`: real decode sequences from a trace, replayed as per-rank batches.
 
 Reads either a `RoutingTrace` ``.npz`` or the Qwen3-30B-A3B JSONL windows of
-``shared/traces/qwen3-30b-a3b-instruct-2507__local-moe-inference-stack/`` (one record per
+``<traces>/qwen3-30b-a3b-instruct-2507__local-moe-inference-stack/`` (one record per
 token and layer: ``{"prompt_id", "topic", "token_pos", "layer", "experts": [8 ids]}``). The
 JSONL reading here is deliberately minimal; once ``expertcache.trace.loaders`` lands it
 can replace `read_jsonl_windows`. Traces are read, never copied into the package.
@@ -16,15 +16,7 @@ import numpy as np
 
 from expertcache.trace import RoutingTrace
 
-QWEN3_TRACE = "traces/qwen3-30b-a3b-instruct-2507__local-moe-inference-stack"
-
-
-def default_trace_path(repo_root: Path) -> Path:
-    """``shared/`` inside the checkout, else the project's ``../shared`` beside it."""
-    for shared in (repo_root / "shared", repo_root.parent / "shared", Path("/work/shared")):
-        if (shared / QWEN3_TRACE).is_dir():
-            return shared / QWEN3_TRACE
-    raise FileNotFoundError(f"no {QWEN3_TRACE} under shared/ or ../shared/; pass --trace")
+QWEN3_TRACE = "qwen3-30b-a3b-instruct-2507__local-moe-inference-stack"  # under traces_dir()
 
 
 def load_sequences(path: Path, min_tokens: int) -> tuple[list[np.ndarray], int]:
