@@ -21,7 +21,7 @@ correct remap never lets a kernel read.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +37,11 @@ from expertcache.store import CPUBackingStore
 from expertcache.validation import resolve_device
 
 _POISON = 0xFF
+
+
+def copy_record(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy one expert record (``[record_bytes]`` uint8) host -> slot, on the current stream."""
+    destination.copy_(source, non_blocking=True)
 
 
 @dataclass
@@ -76,6 +81,9 @@ class SlotPool:
         self._expert_to_slot: dict[Hashable, np.ndarray] = {}
         self._version: dict[Hashable, int] = {}
         self._stats: dict[Hashable, CacheStats] = {}
+        #: How a missed record reaches its slot; ``(slot_row, host_row) -> None``. Replaced
+        #: only to pace copies (`expertcache.parallel.pacing`), never to change what lands.
+        self.copy_record: Callable[[torch.Tensor, torch.Tensor], None] = copy_record
 
     @classmethod
     def for_weights(
@@ -150,7 +158,7 @@ class SlotPool:
         for (_, expert), slot in admission.loads:
             # Pinned source, current stream: ordered before this call's kernels, and after
             # every earlier kernel that read the slot. The store never changes, so no sync.
-            self.records[slot].copy_(store.records[expert], non_blocking=True)
+            self.copy_record(self.records[slot], store.records[expert])
             self._expert_to_slot[layer][expert] = slot
         if admission.loads:
             self._version[layer] += 1
