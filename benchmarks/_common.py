@@ -28,8 +28,9 @@ def traces_dir() -> Path:
 
 def environment() -> dict[str, str]:
     """GPU name, versions and commit, stamped on every CSV row."""
+    commit = os.environ.get("EXPERTCACHE_COMMIT", "")
     try:
-        commit = subprocess.run(
+        commit = commit or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,
             text=True,
@@ -48,18 +49,25 @@ def environment() -> dict[str, str]:
 
 
 def append_csv(name: str, rows: Sequence[dict]) -> Path:
-    """Append ``rows`` (stamped with `environment`) to ``benchmarks/results/<name>.csv``."""
+    """Append ``rows`` (stamped with `environment`) to ``benchmarks/results/<name>.csv``.
+
+    Columns are the union over ``rows`` (and the existing header); missing cells stay empty.
+    """
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.csv"
     stamp = environment()
     rows = [{**stamp, **row} for row in rows]
-    fields = list(rows[0])
-    new = not path.exists()
-    with path.open("a", newline="") as handle:
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    existing: list[dict] = []
+    if path.exists():
+        with path.open(newline="") as handle:
+            reader = csv.DictReader(handle)
+            existing = list(reader)
+            fields = list(dict.fromkeys([*(reader.fieldnames or []), *fields]))
+    with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
+        writer.writeheader()
+        writer.writerows([*existing, *rows])
     return path
 
 
