@@ -223,8 +223,12 @@ def main() -> None:
 
     for fraction in args.fractions:
         slots = round(fraction * E)
-        variants = [("(b) host-driven", "host", False), ("(c) device eager", "device", False),
-                    ("(d) device graph", "device", True), ("(d') device graph, copy as 2nd launch", "device-unfused", True)]  # fmt: skip
+        variants = [
+            ("(b) host-driven", "host", False),
+            ("(c) device eager", "device", False),
+            ("(d) device graph", "device", True),
+            ("(d') device graph, copy as 2nd launch", "device-unfused", True),
+        ]
         if not args.skip_flashlib:
             variants.append(("(e) flashlib lru_ensure graph", "flashlib", True))
         for name, kind, graph in variants:
