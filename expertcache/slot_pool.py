@@ -55,6 +55,7 @@ class SlotPool:
         self._stores: dict[Hashable, CPUBackingStore] = {}
         self._expert_to_slot: dict[Hashable, np.ndarray] = {}
         self._version: dict[Hashable, int] = {}
+        self._layers_this_forward: set[Hashable] = set()
 
     @classmethod
     def for_weights(
@@ -87,6 +88,10 @@ class SlotPool:
         self._expert_to_slot[layer] = np.full(store.num_experts, -1, dtype=np.int32)
         self._version[layer] = 0
 
+    def layers(self) -> tuple[Hashable, ...]:
+        """The attached layers, in attach order."""
+        return tuple(self._stores)
+
     def expert_to_slot(self, layer: Hashable) -> np.ndarray:
         """Read-only ``[E_local]`` int32 table of ``layer``: slot of each expert, or -1."""
         table = self._expert_to_slot[layer].view()
@@ -107,6 +112,11 @@ class SlotPool:
         Raises:
             CacheCapacityError: more experts than slots; nothing changes.
         """
+        self.table.check_capacity(len(experts))
+        if layer in self._layers_this_forward:  # a layer came round again: a new forward pass
+            self._layers_this_forward.clear()
+        if not self._layers_this_forward:
+            self.table.begin_forward()
         admission = self.table.admit([(layer, expert) for expert in experts])
         for (owner, expert), _ in admission.evictions:
             self._expert_to_slot[owner][expert] = -1
@@ -119,4 +129,5 @@ class SlotPool:
             self._expert_to_slot[layer][expert] = slot
         if admission.loads:
             self._version[layer] += 1
+        self._layers_this_forward.add(layer)
         return admission
