@@ -20,6 +20,7 @@ import torch
 
 from expertcache.kernels import remap_topk_ids
 from expertcache.layout import layout_from_weights
+from expertcache.manifest import Manifest, build_manifest
 from expertcache.policies import EvictionPolicy
 from expertcache.provider import ExpertWeightProvider, result_from_tensors
 from expertcache.result import ExpertWeightResult
@@ -124,6 +125,10 @@ class CachedWeightProvider(ExpertWeightProvider):
         if key is None or key[0] != self.layer:  # type: ignore[index]
             return -1
         return int(key[1])  # type: ignore[index]
+
+    def manifest(self) -> Manifest:
+        """Registered tensors, slots and bytes of this layer (see `expertcache.manifest`)."""
+        return build_manifest([self])
 
     # -- the call --------------------------------------------------------------------------
 
