@@ -53,7 +53,7 @@ def load_raw_routing_log(
     )
     prefill = records[:prefill_end]
     prompt_tokens = max(int(record["token_pos"]) for record in prefill) + 1
-    steps = []
+    steps: list[list[dict]] = []
     for index in range(prefill_end, len(records)):
         if index == prefill_end or layers[index] <= layers[index - 1]:
             steps.append([])

@@ -48,7 +48,8 @@ def load_route_log(
     column = {layer: index for index, layer in enumerate(layers)}
     row_layers = np.array([column[int(row["layer"])] for row in rows])
     if batched:
-        tokens, forward_starts = _batched_tokens(positions, row_layers)
+        tokens, starts = _batched_tokens(positions, row_layers)
+        forward_starts = np.asarray(starts, dtype=np.int64)
         how = (
             f"{len(forward_starts)} forward batches from token_idx restarts; request "
             "boundaries inside a batch are not logged."

@@ -1,0 +1,64 @@
+"""Metrics endpoint scraped over loopback with real HTTP; values must equal ``stats``."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import torch
+from helpers import random_topk, random_weights
+from prometheus_client.parser import text_string_to_metric_families
+
+from expertcache import CachedWeightProvider, SlotPool
+from expertcache.metrics import TimedProvider, start_metrics_server
+
+
+def _scrape(server) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def _value(samples, name, layer, **labels):
+    return samples[(name, tuple(sorted({"layer": layer, **labels}.items())))]
+
+
+def test_scrape_equals_stats_per_layer():
+    generator = torch.Generator().manual_seed(3)
+    weights = random_weights(8, 16, 8, generator=generator)
+    pool = SlotPool.for_weights(weights, 6, device="cpu")
+    layers = {
+        "0": TimedProvider(CachedWeightProvider(weights, pool=pool, layer=0)),
+        "1": CachedWeightProvider(weights, pool=pool, layer=1),
+    }
+    server = start_metrics_server(0, providers=layers)
+    try:
+        assert server.addr == "127.0.0.1" and server.port > 0
+        empty = _scrape(server)
+        assert _value(empty, "expertcache_hits_total", "0") == 0
+        for _ in range(25):
+            for provider in layers.values():
+                provider.prepare(random_topk(3, 2, 8, generator=generator))
+        samples = _scrape(server)
+        for layer, provider in layers.items():
+            stats = provider.stats
+            assert stats.hits > 0 and stats.misses > 0 and stats.evictions > 0
+            assert _value(samples, "expertcache_hits_total", layer) == stats.hits
+            assert _value(samples, "expertcache_misses_total", layer) == stats.misses
+            assert _value(samples, "expertcache_evictions_total", layer) == stats.evictions
+            assert _value(samples, "expertcache_bytes_copied_total", layer) == stats.bytes_h2d
+            assert _value(samples, "expertcache_prepare_calls_total", layer) == stats.calls == 25
+        timed = _value(samples, "expertcache_prepare_seconds_count", "0")
+        assert timed == 25
+        assert _value(samples, "expertcache_prepare_seconds_bucket", "0", le="+Inf") == 25
+        assert ("expertcache_prepare_seconds_count", (("layer", "1"),)) not in samples
+        # values are read at scrape time: one more call shows up in the next scrape
+        layers["1"].prepare(random_topk(1, 2, 8, generator=generator))
+        again = _scrape(server)
+        assert _value(again, "expertcache_prepare_calls_total", "1") == 26
+    finally:
+        server.close()
