@@ -38,8 +38,10 @@ def infer_num_experts(ids: np.ndarray, given: int | None) -> int:
 
 
 def missing_note(ids: np.ndarray) -> str:
-    """How many (token, layer) records are absent, as a sentence for ``notes``."""
+    """How many (token, layer) records are absent, as a sentence for ``notes`` ("" if none)."""
     missing = int((ids < 0).all(axis=2).sum())
+    if not missing:
+        return ""
     total = ids.shape[0] * ids.shape[1]
     return f"{missing} of {total} (token, layer) records absent (expert_ids -1)."
 

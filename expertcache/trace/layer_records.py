@@ -47,7 +47,6 @@ def load_layer_records(
     for record in records:
         token = token_of[(int(record["prompt_id"]), int(record["token_pos"]))]
         ids[token, int(record["layer"])] = record["experts"]
-    topics = dict.fromkeys(str(record.get("topic", "")) for record in records)
     return RoutingTrace(
         expert_ids=ids,
         forward_starts=np.arange(len(token_of)),
@@ -56,7 +55,7 @@ def load_layer_records(
         model=model,
         source=str(path),
         notes=(
-            f"One token per forward; {len(request_starts)} prompt(s) ({', '.join(topics)}); "
-            f"prompt/generation boundary not recorded. {missing_note(ids)}"
-        ),
+            "One token per forward; request = prompt; prompt/generation boundary not "
+            f"recorded. {missing_note(ids)}"
+        ).strip(),
     )
