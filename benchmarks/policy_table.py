@@ -1,0 +1,126 @@
+"""Hit rate of every policy at 25% and 50% of each layer's experts, on every shared trace.
+
+For each trace: a pool per layer holding 25% / 50% of that layer's experts, and one global
+pool of the same total bytes (25% / 50% of all layers' experts), next to Belady's MIN (the
+bound at that size) and an unbounded cache (every expert resident after its first use).
+Then the best default: the policy with the highest mean hit rate over all cells, with its
+margin, and each policy's mean and worst shortfall from the best policy of each cell.
+
+Run: ``python benchmarks/policy_table.py`` (CPU only, about a minute; writes
+``benchmarks/results/policy_table.md`` and ``benchmarks/results/policy_table.csv``).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from expertcache.planner import RUNTIME_POLICIES, plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trace_set import load_all  # noqa: E402
+
+FRACTIONS = (0.25, 0.5)
+RESULTS = Path(__file__).resolve().parent / "results"
+UNALIGNED = "†"  # decode-only Mixtral files: layers not token-aligned, global pool approximate
+
+
+def measure() -> list[dict]:
+    """One record per (trace, pool, size, policy) with its hit rate."""
+    records = []
+    for label, trace in load_all():
+        scored = plan(trace, expert_bytes=1, gpu_budget_bytes=0, fractions=FRACTIONS)
+        for row in scored.rows:
+            if row.scope == "global" and trace.num_layers == 1:
+                continue  # one traced layer: the global pool is the per-layer pool
+            mark = UNALIGNED if row.scope == "global" and "NOT aligned" in trace.notes else ""
+            records.append({"trace": label + mark, **dataclasses.asdict(row)})
+    return records
+
+
+def markdown(records: list[dict]) -> str:
+    names = (*RUNTIME_POLICIES, "belady", "unbounded")
+    header = "| trace | pool | slots | " + " | ".join(names) + " |"
+    lines = [header, "|" + "---|" * (3 + len(names))]
+    cells = {}
+    for record in records:
+        cells.setdefault(
+            (record["trace"], record["scope"], record["slots"], record["fraction"]), {}
+        )[record["policy"]] = record["hit_rate"]
+    for (trace, scope, slots, fraction), rates in cells.items():
+        best = max(rates[name] for name in RUNTIME_POLICIES)
+        shown = [
+            f"**{rates[name]:.1%}**"
+            if name in RUNTIME_POLICIES and rates[name] == best
+            else f"{rates[name]:.1%}"
+            for name in names
+        ]
+        pool = "per layer" if scope == "layer" else "global"
+        lines.append(f"| {trace} | {pool} | {slots} ({fraction:.0%}) | " + " | ".join(shown) + " |")
+    sections = [("all cells", cells)]
+    for scope, title in (("layer", "per-layer pools"), ("global", "global pools")):
+        subset = {key: rates for key, rates in cells.items() if key[1] == scope}
+        sections.append((title, subset))
+    parts = [f"**{title}**\n\n{summary(subset)}" for title, subset in sections]
+    return "\n".join(lines) + "\n\n" + "\n\n".join(parts)
+
+
+def summary(cells: dict) -> str:
+    """Mean hit rate, mean and worst shortfall from each cell's best runtime policy."""
+    stats = {}
+    for name in RUNTIME_POLICIES:
+        gaps = [max(r[p] for p in RUNTIME_POLICIES) - r[name] for r in cells.values()]
+        mean = sum(r[name] for r in cells.values()) / len(cells)
+        wins = sum(gap == 0 for gap in gaps)
+        stats[name] = (mean, sum(gaps) / len(gaps), max(gaps), wins)
+    ranking = sorted(stats, key=lambda name: -stats[name][0])
+    lines = [
+        "| policy | mean hit rate | mean shortfall from best | worst shortfall | best in |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ranking:
+        mean, gap, worst, wins = stats[name]
+        lines.append(
+            f"| {name} | {mean:.2%} | {gap * 100:.2f} pp | {worst * 100:.2f} pp | "
+            f"{wins} of {len(cells)} |"
+        )
+    first, second = ranking[0], ranking[1]
+    margin = (stats[first][0] - stats[second][0]) * 100
+    lru_gap = (stats[first][0] - stats["lru"][0]) * 100
+    lines.append("")
+    lines.append(
+        f"Highest mean hit rate: **{first}**, {margin:.2f} pp above {second}"
+        + ("" if first == "lru" else f" and {lru_gap:.2f} pp above lru")
+        + f", over {len(cells)} (trace, pool, size) cells."
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    records = measure()
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / "policy_table.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    text = (
+        f"<!-- generated by benchmarks/policy_table.py at commit {commit} on "
+        f"{platform.node() or 'cpu'} ({platform.processor() or platform.machine()}); "
+        "hit rates are counts, independent of hardware -->\n" + markdown(records) + "\n\n"
+        f"{UNALIGNED} decode-only files: rows are not token-aligned across layers after a "
+        "dropped record, so the global pool is approximate there.\n"
+    )
+    (RESULTS / "policy_table.md").write_text(text, encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
