@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from helpers import random_weights
 from policy_contract import PolicyContract
 
 from expertcache import CachedWeightProvider
-from expertcache.policies import GDSFPolicy, SLRUPolicy, make_policy
+from expertcache.policies import POLICIES, GDSFPolicy, SLRUPolicy, make_policy
 from expertcache.sim import replay
 
 # The textbook page-reference string (Silberschatz et al., "Operating System Concepts"):
@@ -132,3 +134,20 @@ def test_unknown_policy_lists_the_known_ones():
 def test_non_clairvoyant_policies_refuse_the_future():
     with pytest.raises(TypeError, match="does not take the future"):
         make_policy("lru", capacity=2).set_future([(0,)])
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfru", "least_stale", "gdsf", "belady"])
+def test_ranking_only_the_head_of_a_large_cache_changes_nothing(name):
+    """Ranked policies sort only the head of the order; a full sort must agree exactly."""
+    policy_class = POLICIES[name]
+
+    class FullSort(policy_class):
+        def _order(self, call_size):
+            return super()._order(None)
+
+    generator = random.Random(name)
+    calls = [generator.sample(range(300), generator.randint(1, 6)) for _ in range(1500)]
+    starts = range(0, 1500, 7)
+    fast = replay(calls, policy=name, capacity=60, forward_starts=starts)
+    full = replay(calls, policy=FullSort(60), capacity=60, forward_starts=starts)
+    assert fast == full and fast.evictions > 1000

@@ -47,6 +47,7 @@ class LeastStalePolicy(RankedPolicy):
         self._set("last_forward", row, self.forwards)
 
     def _rank(self, column: dict[str, np.ndarray]) -> Sequence[np.ndarray]:
+        # one key without ties: stale keys negative (most recent first), the rest positive
+        # (least recent first); last_use is at least 1
         stale = column["last_forward"] == self.forwards
-        recency = np.where(stale, -column["last_use"], column["last_use"])
-        return recency, ~stale
+        return (np.where(stale, -column["last_use"], column["last_use"]),)

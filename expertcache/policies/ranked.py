@@ -6,7 +6,8 @@ numbers live in numpy columns, one row per resident key, so a victim costs one `
 per call instead of a Python scan per eviction: within one call the order of the keys
 that may still be evicted cannot change (ages are counted in calls, and every key the call
 touches is protected), so the order is computed at the call's first eviction and walked
-for the rest of the call.
+for the rest of the call. Only the head of the order is sorted (a call evicts at most one
+key per distinct key it uses), so a large global pool pays ``O(n)``, not ``O(n log n)``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class RankedPolicy(EvictionPolicy):
         self._victim_order: np.ndarray | None = None
         self._victim_keys: list[Key] = []
         self._cursor = 0
+        self._call_size = 0
 
     # -- subclass hooks ----------------------------------------------------------------------
 
@@ -66,6 +68,7 @@ class RankedPolicy(EvictionPolicy):
 
     def begin_call(self, keys: Sequence[Key]) -> None:
         self.calls += 1
+        self._call_size = len(keys)
         self._victim_order = None
 
     def end_call(self) -> None:
@@ -97,19 +100,38 @@ class RankedPolicy(EvictionPolicy):
 
     def choose_victim(self, protected: Container[Key], incoming: Key) -> Key:
         if self._victim_order is None:
-            count = len(self._keys)
-            view = {name: values[:count] for name, values in self._data.items()}
-            self._victim_order = np.lexsort(tuple(self._rank(view))) if count else np.zeros(0, int)
+            self._victim_order = self._order(self._call_size)
             self._victim_keys = list(self._keys)
             self._cursor = 0
-        # Keys passed over are protected by this call or already evicted in it: both stay
-        # ineligible until the call ends, so the cursor never has to go back.
-        while self._cursor < len(self._victim_order):
-            key = self._victim_keys[int(self._victim_order[self._cursor])]
-            if key in self._row and key not in protected:
-                return key
-            self._cursor += 1
-        raise LookupError("every resident key is protected by the current call")
+        while True:
+            # Keys passed over are protected by this call or already evicted in it: both
+            # stay ineligible until the call ends, so the cursor never has to go back.
+            while self._cursor < len(self._victim_order):
+                key = self._victim_keys[int(self._victim_order[self._cursor])]
+                if key in self._row and key not in protected:
+                    return key
+                self._cursor += 1
+            if len(self._victim_order) == len(self._victim_keys):
+                raise LookupError("every resident key is protected by the current call")
+            self._victim_order = self._order(None)  # the short list ran out: rank them all
+
+    def _order(self, call_size: int | None) -> np.ndarray:
+        """Rows of resident keys in eviction order: all, or a prefix long enough for a call.
+
+        A call evicts at most one key per miss and skips at most its own keys, so the
+        ``2 * call_size`` lowest rows (with every tie of the last one) always suffice;
+        ``np.partition`` finds them without sorting the whole cache.
+        """
+        count = len(self._keys)
+        view = {name: values[:count] for name, values in self._data.items()}
+        ranks = tuple(self._rank(view))
+        wanted = 2 * call_size + 1 if call_size is not None else count
+        if wanted >= count:
+            return np.lexsort(ranks)
+        primary = ranks[-1]
+        threshold = np.partition(primary, wanted - 1)[wanted - 1]
+        rows = np.flatnonzero(primary <= threshold)
+        return rows[np.lexsort(tuple(rank[rows] for rank in ranks))]
 
     # -- helpers -----------------------------------------------------------------------------
 
