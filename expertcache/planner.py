@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from expertcache.sim import TraceCalls, replay_streams, trace_calls, unbounded
+from expertcache.sim import ReplayResult, TraceCalls, replay_streams, trace_calls, unbounded
 from expertcache.trace import RoutingTrace
 
 #: Policies a runtime cache can use (Belady is the bound, not a choice).
@@ -166,7 +166,14 @@ def _best_at(rows: list[PlanRow], scope: str, slots: int, min_gain: float) -> st
     return best_policy(candidates, min_gain=min_gain) if candidates else "lru"
 
 
-def _score(streams, scope, slots, policy, cost, tick) -> PlanRow:
+def _score(
+    streams: list[TraceCalls],
+    scope: str,
+    slots: int,
+    policy: str,
+    cost: _Cost,
+    tick: Callable[[], None],
+) -> PlanRow:
     result = replay_streams(streams, policy=policy, capacity=slots)
     tick()
     return cost.row(scope, slots, streams, policy, result)
@@ -180,7 +187,12 @@ class _Cost:
     bandwidth: float | None
 
     def row(
-        self, scope: str, slots: int, streams: list[TraceCalls], policy: str, result
+        self,
+        scope: str,
+        slots: int,
+        streams: list[TraceCalls],
+        policy: str,
+        result: ReplayResult,
     ) -> PlanRow:
         misses = result.misses * self.layer_scale / max(self.tokens, 1)
         bytes_per_token = misses * self.expert_bytes

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan(
         trace,
         expert_bytes=expert_bytes,
-        gpu_budget_bytes=int(args.gpu_budget * 1e9),
+        gpu_budget_bytes=round(args.gpu_budget * 1e9),
         bandwidth_bytes_per_second=args.bandwidth * 1e9 if args.bandwidth else None,
         model_layers=args.layers,
         policies=policies,

@@ -64,18 +64,18 @@ def trace_calls(trace: RoutingTrace, *, scope: Scope) -> list[TraceCalls]:
 def _stream(trace: RoutingTrace, columns: Sequence[int]) -> TraceCalls:
     calls: list[tuple[int, ...]] = []
     forward_starts: list[int] = []
-    offsets = {column: position * trace.num_experts for position, column in enumerate(columns)}
-    for tokens in trace.forward_slices():
+    per_column = [trace.calls(column) for column in columns]
+    for forward in zip(*per_column, strict=True):  # each column's call in one forward pass
         first = True
-        for column in columns:
-            ids = trace.expert_ids[tokens, column].reshape(-1).astype(np.int64)
-            ids = ids[ids >= 0]
-            if ids.size == 0:
+        for position, ids in enumerate(forward):
+            keys = ids.reshape(-1).astype(np.int64)
+            keys = keys[keys >= 0]
+            if keys.size == 0:
                 continue
             if first:
                 forward_starts.append(len(calls))
                 first = False
-            calls.append(tuple(dict.fromkeys((ids + offsets[column]).tolist())))
+            calls.append(tuple(dict.fromkeys((keys + position * trace.num_experts).tolist())))
     return TraceCalls(calls, forward_starts, len(columns) * trace.num_experts)
 
 
