@@ -39,9 +39,7 @@ def compare(streams, policy: str, capacity: int) -> tuple[int, int, int]:
         keys = [key for call in stream.calls for key in call]
         ours += replay([[key] for key in keys], policy=policy, capacity=capacity).hits
         theirs += libcachesim_hits(policy, keys, capacity)
-        per_call += replay(
-            stream.calls, policy=policy, capacity=capacity, forward_starts=stream.forward_starts
-        ).hits
+        per_call += replay(stream.calls, policy=policy, capacity=capacity, forward_starts=stream.forward_starts).hits
     return ours, theirs, per_call
 
 

@@ -48,15 +48,13 @@ def markdown(records: list[dict]) -> str:
     lines = [header, "|" + "---|" * (3 + len(names))]
     cells = {}
     for record in records:
-        cells.setdefault(
-            (record["trace"], record["scope"], record["slots"], record["fraction"]), {}
-        )[record["policy"]] = record["hit_rate"]
+        cells.setdefault((record["trace"], record["scope"], record["slots"], record["fraction"]), {})[
+            record["policy"]
+        ] = record["hit_rate"]
     for (trace, scope, slots, fraction), rates in cells.items():
         best = max(rates[name] for name in RUNTIME_POLICIES)
         shown = [
-            f"**{rates[name]:.1%}**"
-            if name in RUNTIME_POLICIES and rates[name] == best
-            else f"{rates[name]:.1%}"
+            f"**{rates[name]:.1%}**" if name in RUNTIME_POLICIES and rates[name] == best else f"{rates[name]:.1%}"
             for name in names
         ]
         pool = "per layer" if scope == "layer" else "global"
@@ -84,10 +82,7 @@ def summary(cells: dict) -> str:
     ]
     for name in ranking:
         mean, gap, worst, wins = stats[name]
-        lines.append(
-            f"| {name} | {mean:.2%} | {gap * 100:.2f} pp | {worst * 100:.2f} pp | "
-            f"{wins} of {len(cells)} |"
-        )
+        lines.append(f"| {name} | {mean:.2%} | {gap * 100:.2f} pp | {worst * 100:.2f} pp | {wins} of {len(cells)} |")
     first, second = ranking[0], ranking[1]
     margin = (stats[first][0] - stats[second][0]) * 100
     lru_gap = (stats[first][0] - stats["lru"][0]) * 100

@@ -38,12 +38,12 @@ class RandomMoEStack:
 
     def __init__(self, config: StackConfig, device: torch.device) -> None:
         gen = torch.Generator().manual_seed(config.seed)
-        L, E, H, I = config.num_layers, config.num_experts, config.hidden, config.inter
+        L, E, H, inter = config.num_layers, config.num_experts, config.hidden, config.inter
         self.config, self.device = config, device
         self.experts = [
             {
-                "w1": torch.randn(E, 2 * I, H, generator=gen) / H**0.5,
-                "w2": torch.randn(E, H, I, generator=gen) / I**0.5,
+                "w1": torch.randn(E, 2 * inter, H, generator=gen) / H**0.5,
+                "w2": torch.randn(E, H, inter, generator=gen) / inter**0.5,
             }
             for _ in range(L)
         ]
@@ -120,7 +120,10 @@ def _row(name, fraction, providers, out, full, seconds) -> dict:
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = f"{'cache':<24} {'hit rate':>8} {'misses':>7} {'MB copied':>10} {'max |diff|':>11} {'identical':>9} {'time s':>7}"
+    header = (
+        f"{'cache':<24} {'hit rate':>8} {'misses':>7} {'MB copied':>10} {'max |diff|':>11} "
+        f"{'identical':>9} {'time s':>7}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:

@@ -63,9 +63,7 @@ class TimedProvider(ExpertWeightProvider):
     copies it enqueued may still be running when it returns.
     """
 
-    def __init__(
-        self, provider: ExpertWeightProvider, *, buckets: tuple[float, ...] = PREPARE_BUCKETS
-    ) -> None:
+    def __init__(self, provider: ExpertWeightProvider, *, buckets: tuple[float, ...] = PREPARE_BUCKETS) -> None:
         self.provider = provider
         self.buckets = tuple(float(bound) for bound in buckets)
         self._counts = [0] * (len(self.buckets) + 1)  # the last bucket is +Inf
@@ -101,9 +99,7 @@ class CacheCollector(Collector):
         namespace: metric name prefix.
     """
 
-    def __init__(
-        self, providers: Mapping[str, HasStats] | None = None, *, namespace: str = "expertcache"
-    ) -> None:
+    def __init__(self, providers: Mapping[str, HasStats] | None = None, *, namespace: str = "expertcache") -> None:
         self.namespace = namespace
         self._providers: dict[str, HasStats] = {}
         for layer, provider in (providers or {}).items():
@@ -118,9 +114,7 @@ class CacheCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snapshot = {layer: provider.stats for layer, provider in self._providers.items()}
         for name, field, documentation in _COUNTERS:
-            family = CounterMetricFamily(
-                f"{self.namespace}_{name}", documentation, labels=["layer"]
-            )
+            family = CounterMetricFamily(f"{self.namespace}_{name}", documentation, labels=["layer"])
             for layer, stats in snapshot.items():
                 family.add_metric([layer], getattr(stats, field))
             yield family

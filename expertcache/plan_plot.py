@@ -17,14 +17,10 @@ def plot_plan(plan: Plan, path: str | Path, *, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    for axis, scope, label in zip(
-        axes, ("layer", "global"), ("a pool per layer", "one global pool"), strict=True
-    ):
+    for axis, scope, label in zip(axes, ("layer", "global"), ("a pool per layer", "one global pool"), strict=True):
         rows = [row for row in plan.rows if row.scope == scope]
         for policy in dict.fromkeys(row.policy for row in rows):
-            points = sorted(
-                (row.fraction * 100, row.hit_rate * 100) for row in rows if row.policy == policy
-            )
+            points = sorted((row.fraction * 100, row.hit_rate * 100) for row in rows if row.policy == policy)
             x, y = zip(*points, strict=True)
             if policy == "unbounded":
                 axis.axhline(y[0], color="grey", linestyle=":", label="unbounded cache")

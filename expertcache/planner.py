@@ -138,9 +138,7 @@ def plan(
     budget_slots = gpu_budget_bytes // expert_bytes
     layer_budget = min(experts, budget_slots // layers)
     sizes = layer_sizes(experts, fractions, [layer_budget] if layer_budget >= 1 else [])
-    cost = _Cost(
-        trace.num_tokens, layers / trace.num_layers, expert_bytes, bandwidth_bytes_per_second
-    )
+    cost = _Cost(trace.num_tokens, layers / trace.num_layers, expert_bytes, bandwidth_bytes_per_second)
     names = (*policies, "belady")
     tick = progress(2 * len(sizes) * len(names)) if progress else (lambda: None)
     rows: list[PlanRow] = []

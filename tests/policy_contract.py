@@ -22,9 +22,7 @@ from expertcache.slot_table import SlotTable
 streams = st.integers(1, 6).flatmap(
     lambda capacity: st.tuples(
         st.just(capacity),
-        st.lists(
-            st.lists(st.integers(0, 9), min_size=1, max_size=capacity), min_size=1, max_size=40
-        ),
+        st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=capacity), min_size=1, max_size=40),
         st.sets(st.integers(0, 39)),
     )
 )
@@ -118,9 +116,7 @@ class PolicyContract:
             pytest.skip("clairvoyant policies are simulation only")
         generator = torch.Generator().manual_seed(7)
         weights = random_weights(6, 8, 4, generator=generator)
-        provider = CachedWeightProvider(
-            weights, cache_size=4, device="cpu", policy=self.policy_name
-        )
+        provider = CachedWeightProvider(weights, cache_size=4, device="cpu", policy=self.policy_name)
         pool = SlotPool.for_weights(weights, 5, device="cpu", policy=self.policy_name)
         layers = [CachedWeightProvider(weights, pool=pool, layer=index) for index in range(2)]
         private_calls, shared_calls = [], []
@@ -139,9 +135,7 @@ class PolicyContract:
             expected.misses,
             expected.evictions,
         )
-        expected = replay(
-            shared_calls, policy=self.policy_name, capacity=5, forward_starts=range(0, 60, 2)
-        )
+        expected = replay(shared_calls, policy=self.policy_name, capacity=5, forward_starts=range(0, 60, 2))
         total = layers[0].stats + layers[1].stats
         assert (total.hits, total.misses, total.evictions) == (
             expected.hits,

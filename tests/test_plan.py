@@ -48,9 +48,7 @@ def test_bounds_hold_at_every_size():
 
 def test_costs_follow_from_misses():
     trace = _trace()
-    result = plan(
-        trace, expert_bytes=2_000_000, gpu_budget_bytes=8_000_000, bandwidth_bytes_per_second=4e9
-    )
+    result = plan(trace, expert_bytes=2_000_000, gpu_budget_bytes=8_000_000, bandwidth_bytes_per_second=4e9)
     row = result.row("layer", 2, "lru")
     assert row.misses_per_token == pytest.approx(row.misses / trace.num_tokens)
     assert row.gb_per_token == pytest.approx(row.misses_per_token * 2e6 / 1e9)

@@ -86,9 +86,7 @@ class TestLeastStale(PolicyContract):
 
     def test_is_lru_when_every_call_is_its_own_pass(self):
         calls = [[k % 5, (k * 3) % 7] for k in range(60)]
-        assert replay(calls, policy="least_stale", capacity=4) == replay(
-            calls, policy="lru", capacity=4
-        )
+        assert replay(calls, policy="least_stale", capacity=4) == replay(calls, policy="lru", capacity=4)
 
 
 class TestGDSF(PolicyContract):

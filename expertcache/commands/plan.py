@@ -31,9 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bandwidth", type=_positive_float, help="host->GPU copy GB/s")
     parser.add_argument("--layers", type=_positive_int, help="MoE layers of the model")
     parser.add_argument("--num-experts", type=_positive_int, help="experts per layer (override)")
-    parser.add_argument(
-        "--policies", default=",".join(RUNTIME_POLICIES), help="comma-separated policy names"
-    )
+    parser.add_argument("--policies", default=",".join(RUNTIME_POLICIES), help="comma-separated policy names")
     parser.add_argument("--plot", help="write hit rate vs cache size to this PNG")
     parser.add_argument("--csv", help="write every scored row to this CSV")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -96,9 +94,7 @@ def _progress_bar(total: int) -> Callable[[], None]:
     from tqdm import tqdm
 
     # disable=None: shown on a terminal, silent when stderr is a file or a pipe
-    bar = tqdm(
-        total=total, desc="replaying", unit="run", file=sys.stderr, leave=False, disable=None
-    )
+    bar = tqdm(total=total, desc="replaying", unit="run", file=sys.stderr, leave=False, disable=None)
     return lambda: bar.update(1)
 
 
@@ -126,9 +122,7 @@ def format_table(result: Plan, policies: list[str]) -> str:
     lines = ["hit rate (%) by policy; costs of the best runtime policy", header, "-" * len(header)]
     keys = dict.fromkeys((row.scope, row.slots) for row in result.rows)
     for scope, slots in keys:
-        cells = {
-            name: result.row(scope, slots, name) for name in (*policies, "belady", "unbounded")
-        }
+        cells = {name: result.row(scope, slots, name) for name in (*policies, "belady", "unbounded")}
         best = max((cells[name] for name in policies), key=lambda row: row.hit_rate)
         marker = "*" if slots in (result.layer_cache_size, result.global_slots) else " "
         lines.append(
@@ -136,11 +130,7 @@ def format_table(result: Plan, policies: list[str]) -> str:
             + "".join(f"{cells[name].hit_rate * 100:>12.1f}" for name in policies)
             + f"{cells['belady'].hit_rate * 100:>9.1f}{cells['unbounded'].hit_rate * 100:>7.1f}  "
             f"{best.policy:<11}{best.misses_per_token:>9.2f}{best.gb_per_token:>8.3f}"
-            + (
-                f"{best.tokens_per_second:>9.1f}"
-                if best.tokens_per_second is not None
-                else f"{'-':>9}"
-            )
+            + (f"{best.tokens_per_second:>9.1f}" if best.tokens_per_second is not None else f"{'-':>9}")
         )
     lines.append("* = the GPU budget's size")
     return "\n".join(lines)

@@ -46,9 +46,7 @@ class ARCPolicy(EvictionPolicy):
     def choose_victim(self, protected: Container[Key], incoming: Key) -> Key:
         target = self._adapted_target(incoming)
         t1_size = len(self._t1)
-        from_t1 = t1_size >= 1 and (
-            t1_size > target or (incoming in self._b2 and t1_size == target)
-        )
+        from_t1 = t1_size >= 1 and (t1_size > target or (incoming in self._b2 and t1_size == target))
         lists = (self._t1, self._t2) if from_t1 else (self._t2, self._t1)
         for keys in lists:
             for key in keys:

@@ -79,9 +79,7 @@ def _stream(trace: RoutingTrace, columns: Sequence[int]) -> TraceCalls:
     return TraceCalls(calls, forward_starts, len(columns) * trace.num_experts)
 
 
-def replay_streams(
-    streams: Sequence[TraceCalls], *, policy: str | EvictionPolicy, capacity: int
-) -> ReplayResult:
+def replay_streams(streams: Sequence[TraceCalls], *, policy: str | EvictionPolicy, capacity: int) -> ReplayResult:
     """Replay each stream with its own pool of ``capacity`` keys and add the counts.
 
     ``policy`` must be a name when there are several streams (each needs a fresh policy).
@@ -99,9 +97,7 @@ def replay_streams(
     return total
 
 
-def replay_trace(
-    trace: RoutingTrace, *, policy: str | EvictionPolicy, capacity: int, scope: Scope
-) -> ReplayResult:
+def replay_trace(trace: RoutingTrace, *, policy: str | EvictionPolicy, capacity: int, scope: Scope) -> ReplayResult:
     """Replay ``trace`` with per-layer pools of ``capacity`` slots, or one global pool.
 
     Returns:

@@ -21,9 +21,7 @@ from expertcache.trace.format import RoutingTrace
 from expertcache.trace.jsonl import empty_ids, infer_num_experts, missing_note, read_jsonl
 
 
-def load_layer_records(
-    path: str | Path, *, num_experts: int | None = None, model: str = ""
-) -> RoutingTrace:
+def load_layer_records(path: str | Path, *, num_experts: int | None = None, model: str = "") -> RoutingTrace:
     """Load one file of per-(token, layer) records.
 
     Returns:
@@ -55,7 +53,6 @@ def load_layer_records(
         model=model,
         source=str(path),
         notes=(
-            "One token per forward; request = prompt; prompt/generation boundary not "
-            f"recorded. {missing_note(ids)}"
+            f"One token per forward; request = prompt; prompt/generation boundary not recorded. {missing_note(ids)}"
         ).strip(),
     )

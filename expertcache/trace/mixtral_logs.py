@@ -36,9 +36,7 @@ DROPPED_TIES = (
 )
 
 
-def load_raw_routing_log(
-    path: str | Path, *, num_experts: int | None = None, model: str = ""
-) -> RoutingTrace:
+def load_raw_routing_log(path: str | Path, *, num_experts: int | None = None, model: str = "") -> RoutingTrace:
     """Load a raw prefill-then-decode log: forward 0 is the prefill, then one per step.
 
     Returns:
@@ -48,9 +46,7 @@ def load_raw_routing_log(
     if not records:
         raise ValueError(f"{path}: empty")
     layers = [int(record["layer"]) for record in records]
-    prefill_end = next(
-        (i for i in range(1, len(layers)) if layers[i] < layers[i - 1]), len(records)
-    )
+    prefill_end = next((i for i in range(1, len(layers)) if layers[i] < layers[i - 1]), len(records))
     prefill = records[:prefill_end]
     prompt_tokens = max(int(record["token_pos"]) for record in prefill) + 1
     steps: list[list[dict]] = []
@@ -78,9 +74,7 @@ def load_raw_routing_log(
     )
 
 
-def load_decode_routing(
-    path: str | Path, *, num_experts: int | None = None, model: str = ""
-) -> RoutingTrace:
+def load_decode_routing(path: str | Path, *, num_experts: int | None = None, model: str = "") -> RoutingTrace:
     """Load a decode-only file: one token per forward, problems one after another.
 
     Returns:
@@ -91,9 +85,7 @@ def load_decode_routing(
     for record in read_jsonl(path):
         problem = int(record["problem_id"])
         problems.setdefault(problem)
-        per_layer[(problem, int(record["layer"]))].append(
-            (int(record["token_idx"]), record["experts"])
-        )
+        per_layer[(problem, int(record["layer"]))].append((int(record["token_idx"]), record["experts"]))
     if not per_layer:
         raise ValueError(f"{path}: empty")
     num_layers = max(layer for _, layer in per_layer) + 1

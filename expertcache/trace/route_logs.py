@@ -25,9 +25,7 @@ from expertcache.trace.format import RoutingTrace
 from expertcache.trace.jsonl import empty_ids, infer_num_experts, read_jsonl
 
 
-def load_route_log(
-    path: str | Path, *, num_experts: int | None = None, min_dummy_rows: int = 64
-) -> RoutingTrace:
+def load_route_log(path: str | Path, *, num_experts: int | None = None, min_dummy_rows: int = 64) -> RoutingTrace:
     """Load a route log; drop the leading profiling dummies.
 
     Returns:
@@ -71,9 +69,7 @@ def load_route_log(
     )
 
 
-def _leading_dummies(
-    rows: list[dict], positions: np.ndarray, batched: bool, min_dummy_rows: int
-) -> int:
+def _leading_dummies(rows: list[dict], positions: np.ndarray, batched: bool, min_dummy_rows: int) -> int:
     first = rows[0]["topk_ids"]
     run = 0
     while run < len(rows) and rows[run]["topk_ids"] == first:
