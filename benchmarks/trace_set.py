@@ -7,13 +7,11 @@ formats, loaded one by one.
 
 from __future__ import annotations
 
-from pathlib import Path
+from _common import traces_dir
 
 from expertcache.trace import RoutingTrace, load_trace
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-
-#: (label, path relative to ``TRACES``)
+#: (label, path relative to the traces folder)
 TRACE_FILES = (
     (
         "Mixtral-8x7B raw (HumanEval/0)",
@@ -37,7 +35,6 @@ TRACE_FILES = (
 
 
 def load_all() -> list[tuple[str, RoutingTrace]]:
-    """Every trace that exists here, labelled; raises if the folder is absent."""
-    if not TRACES.is_dir():
-        raise SystemExit(f"{TRACES} is absent: these benchmarks replay the shared traces")
-    return [(label, load_trace(TRACES / path)) for label, path in TRACE_FILES]
+    """Every trace, labelled; raises if the traces folder is absent (see `traces_dir`)."""
+    folder = traces_dir()
+    return [(label, load_trace(folder / path)) for label, path in TRACE_FILES]
