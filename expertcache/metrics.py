@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -102,6 +103,7 @@ class CacheCollector(Collector):
     def __init__(self, providers: Mapping[str, HasStats] | None = None, *, namespace: str = "expertcache") -> None:
         self.namespace = namespace
         self._providers: dict[str, HasStats] = {}
+        self._frozen: dict[str, CacheStats] | None = None
         for layer, provider in (providers or {}).items():
             self.track(layer, provider)
 
@@ -111,8 +113,26 @@ class CacheCollector(Collector):
             raise TypeError(f"provider for layer {layer!r} has no stats to expose")
         self._providers[str(layer)] = provider
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Serve the values read on entry, without touching the providers, until exit.
+
+        Wrap CUDA graph capture in it: a device-driven cache's ``stats`` reads device
+        counters (a device-to-host copy), which a scrape thread must not issue while
+        another thread captures under torch's default (global) capture mode.
+        """
+        self._frozen = self._read()
+        try:
+            yield
+        finally:
+            self._frozen = None
+
+    def _read(self) -> dict[str, CacheStats]:
+        return {layer: provider.stats for layer, provider in self._providers.items()}
+
     def collect(self) -> Iterator[Metric]:
-        snapshot = {layer: provider.stats for layer, provider in self._providers.items()}
+        frozen = self._frozen
+        snapshot = frozen if frozen is not None else self._read()
         for name, field, documentation in _COUNTERS:
             family = CounterMetricFamily(f"{self.namespace}_{name}", documentation, labels=["layer"])
             for layer, stats in snapshot.items():

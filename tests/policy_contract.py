@@ -112,8 +112,13 @@ class PolicyContract:
 
     def test_runtime_provider_agrees_with_the_simulator(self):
         """A shared pool of two layers (keys (layer, expert)) against replay, call by call."""
-        if make_policy(self.policy_name, capacity=1).clairvoyant:
-            pytest.skip("clairvoyant policies are simulation only")
+        if make_policy(self.policy_name, capacity=1).clairvoyant:  # simulation only: refused
+            provider = CachedWeightProvider(
+                random_weights(4, 8, 4), cache_size=2, device="cpu", policy=self.policy_name
+            )
+            with pytest.raises(RuntimeError, match="simulation only"):
+                provider.prepare(torch.tensor([[0, 1]]))
+            return
         generator = torch.Generator().manual_seed(7)
         weights = random_weights(6, 8, 4, generator=generator)
         provider = CachedWeightProvider(weights, cache_size=4, device="cpu", policy=self.policy_name)

@@ -62,3 +62,19 @@ def test_scrape_equals_stats_per_layer():
         assert _value(again, "expertcache_prepare_calls_total", "1") == 26
     finally:
         server.close()
+
+
+def test_paused_collector_serves_the_values_read_on_entry():
+    generator = torch.Generator().manual_seed(4)
+    provider = CachedWeightProvider(random_weights(6, 8, 4, generator=generator), cache_size=3, device="cpu")
+    server = start_metrics_server(0, providers={"7": provider})
+    try:
+        provider.prepare(random_topk(2, 2, 6, generator=generator))
+        with server.collector.paused():  # e.g. around CUDA graph capture
+            provider.prepare(random_topk(2, 2, 6, generator=generator))
+            during = _scrape(server)
+        after = _scrape(server)
+    finally:
+        server.close()
+    assert _value(during, "expertcache_prepare_calls_total", "7") == 1
+    assert _value(after, "expertcache_prepare_calls_total", "7") == 2 == provider.stats.calls

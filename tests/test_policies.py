@@ -5,11 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from helpers import random_weights
 from policy_contract import PolicyContract
 
-from expertcache import CachedWeightProvider
 from expertcache.policies import POLICIES, GDSFPolicy, SLRUPolicy, make_policy
 from expertcache.sim import replay
 
@@ -107,12 +104,6 @@ class TestBelady(PolicyContract):
 
     def test_textbook_fault_count(self):
         assert replay(_single(TEXTBOOK), policy="belady", capacity=3).misses == 9
-
-    def test_refuses_to_run_without_the_future(self):
-        weights = random_weights(4, 8, 4)
-        provider = CachedWeightProvider(weights, cache_size=2, device="cpu", policy="belady")
-        with pytest.raises(RuntimeError, match="simulation only"):
-            provider.prepare(torch.tensor([[0, 1]]))
 
     def test_refuses_calls_that_differ_from_the_future(self):
         policy = make_policy("belady", capacity=2)
