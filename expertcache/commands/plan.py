@@ -146,13 +146,20 @@ def recommendation(result: Plan, num_experts: int, layers: int) -> str:
     layer = result.row("layer", result.layer_cache_size, result.layer_policy)
     pool = result.row("global", result.global_slots, result.global_policy)
     bound = result.row("layer", result.layer_cache_size, "belady")
+    warning = ""
+    if layer.split_calls:
+        warning = (
+            f"\n  warning: {layer.split_calls} calls of the trace need more distinct experts than "
+            f"{result.layer_cache_size} slots; the simulation ran them in parts, the runtime "
+            "refuses them (CacheCapacityError): split such batches or raise the cache size."
+        )
     return (
         f"recommendation: --moe-expert-cache-size {result.layer_cache_size} "
         f"(of {num_experts} experts per layer, {result.budget_fraction:.0%}) with policy "
         f"'{result.layer_policy}': hit rate {layer.hit_rate:.1%} (Belady {bound.hit_rate:.1%}), "
         f"{layer.misses_per_token:.2f} misses and {layer.gb_per_token:.3f} GB per token.\n"
         f"  one global pool of the same bytes ({result.global_slots} slots over the traced "
-        f"layers) with '{result.global_policy}': hit rate {pool.hit_rate:.1%}."
+        f"layers) with '{result.global_policy}': hit rate {pool.hit_rate:.1%}." + warning
     )
 
 
