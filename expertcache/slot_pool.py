@@ -126,10 +126,6 @@ class SlotPool:
         """Exact counters of ``layer``."""
         return self._stats[layer]
 
-    def layers(self) -> tuple[Hashable, ...]:
-        """The attached layers, in attach order."""
-        return tuple(self._layers)
-
     def expert_to_slot(self, layer: Hashable) -> np.ndarray:
         """Read-only ``[E_local]`` int32 table of ``layer``: slot of each expert, or -1."""
         table = self._expert_to_slot[layer].view()
