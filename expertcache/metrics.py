@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -104,6 +105,7 @@ class CacheCollector(Collector):
         self.namespace = namespace
         self._providers: dict[str, HasStats] = {}
         self._frozen: dict[str, CacheStats] | None = None
+        self._lock = threading.Lock()  # a read in flight ends before paused() returns
         for layer, provider in (providers or {}).items():
             self.track(layer, provider)
 
@@ -121,18 +123,20 @@ class CacheCollector(Collector):
         counters (a device-to-host copy), which a scrape thread must not issue while
         another thread captures under torch's default (global) capture mode.
         """
-        self._frozen = self._read()
+        with self._lock:
+            self._frozen = self._read()
         try:
             yield
         finally:
-            self._frozen = None
+            with self._lock:
+                self._frozen = None
 
     def _read(self) -> dict[str, CacheStats]:
         return {layer: provider.stats for layer, provider in self._providers.items()}
 
     def collect(self) -> Iterator[Metric]:
-        frozen = self._frozen
-        snapshot = frozen if frozen is not None else self._read()
+        with self._lock:
+            snapshot = self._frozen if self._frozen is not None else self._read()
         for name, field, documentation in _COUNTERS:
             family = CounterMetricFamily(f"{self.namespace}_{name}", documentation, labels=["layer"])
             for layer, stats in snapshot.items():

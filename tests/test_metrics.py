@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import urllib.request
 
+import pytest
 import torch
+from conftest import devices
 from helpers import random_topk, random_weights
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -78,3 +81,73 @@ def test_paused_collector_serves_the_values_read_on_entry():
         server.close()
     assert _value(during, "expertcache_prepare_calls_total", "7") == 1
     assert _value(after, "expertcache_prepare_calls_total", "7") == 2 == provider.stats.calls
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode", ["host", "device"])  # device: counters live in a device tensor
+def test_scrape_equals_stats_in_both_modes(device, mode):
+    generator = torch.Generator().manual_seed(5)
+    provider = CachedWeightProvider(
+        random_weights(8, 16, 8, generator=generator), cache_size=4, device=device, mode=mode
+    )
+    server = start_metrics_server(0, providers={"0": provider})
+    try:
+        for _ in range(12):
+            provider.prepare(random_topk(2, 2, 8, generator=generator).to(device))
+        samples = _scrape(server)
+    finally:
+        server.close()
+    stats = provider.stats
+    assert stats.calls == 12 and stats.evictions > 0
+    for name, field in [("hits", "hits"), ("misses", "misses"), ("evictions", "evictions")]:
+        assert _value(samples, f"expertcache_{name}_total", "0") == getattr(stats, field)
+    assert _value(samples, "expertcache_bytes_copied_total", "0") == stats.bytes_h2d
+
+
+@pytest.mark.gpu
+def test_scraping_while_a_device_mode_step_is_captured_and_replayed():
+    """A scrape thread runs throughout; capture happens inside ``paused()``; exact at the end."""
+    generator = torch.Generator().manual_seed(6)
+    provider = CachedWeightProvider(
+        random_weights(16, 64, 32, generator=generator), cache_size=6, device="cuda", mode="device"
+    )
+    ids = random_topk(1, 2, 16, generator=generator).cuda()
+    server = start_metrics_server(0, providers={"0": provider})
+    stop, errors = threading.Event(), []
+
+    def scrape_forever():
+        while not stop.is_set():
+            try:
+                _scrape(server)
+            except Exception as error:  # reported by the main thread
+                errors.append(error)
+
+    scraper = threading.Thread(target=scrape_forever)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            provider.prepare(ids)  # warm-up: compiles the kernels
+        torch.cuda.current_stream().wait_stream(side)
+        scraper.start()
+        graph = torch.cuda.CUDAGraph()
+        with server.collector.paused(), torch.cuda.graph(graph):
+            provider.prepare(ids)
+        for _ in range(50):
+            ids.copy_(random_topk(1, 2, 16, generator=generator))
+            graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        stop.set()
+        if scraper.is_alive():
+            scraper.join()
+    try:
+        samples = _scrape(server)
+    finally:
+        server.close()
+    assert not errors, errors
+    stats = provider.stats
+    assert stats.misses > 0
+    assert _value(samples, "expertcache_hits_total", "0") == stats.hits
+    assert _value(samples, "expertcache_misses_total", "0") == stats.misses
+    assert _value(samples, "expertcache_prepare_calls_total", "0") == stats.calls
