@@ -25,6 +25,7 @@ import torch
 from expertcache.errors import CacheCapacityError
 from expertcache.kernels import remap_topk_ids
 from expertcache.layout import layout_from_weights
+from expertcache.manifest import Manifest, build_manifest
 from expertcache.policies import EvictionPolicy
 from expertcache.provider import ExpertWeightProvider, result_from_tensors
 from expertcache.result import ExpertWeightResult
@@ -143,6 +144,10 @@ class CachedWeightProvider(ExpertWeightProvider):
         if not 0 <= int(slot) < self.pool.num_slots:
             raise IndexError(f"slot {slot} is outside [0, {self.pool.num_slots})")
         return self.pool.expert_in(self.layer, int(slot))
+
+    def manifest(self) -> Manifest:
+        """Registered tensors, slots and bytes of this layer (see `expertcache.manifest`)."""
+        return build_manifest([self])
 
     # -- the call --------------------------------------------------------------------------
 

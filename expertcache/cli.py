@@ -11,7 +11,7 @@ import importlib
 import sys
 
 #: Modules that provide subcommands, in the order ``--help`` lists them.
-COMMAND_MODULES = ("expertcache.commands.demo",)
+COMMAND_MODULES = ("expertcache.commands.demo", "expertcache.commands.plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -84,6 +84,7 @@ class SlotPool:
         #: How a missed record reaches its slot; ``(slot_row, host_row) -> None``. Replaced
         #: only to pace copies (`expertcache.parallel.pacing`), never to change what lands.
         self.copy_record: Callable[[torch.Tensor, torch.Tensor], None] = copy_record
+        self._layers_this_forward: set[Hashable] = set()
 
     @classmethod
     def for_weights(
@@ -152,6 +153,11 @@ class SlotPool:
         Raises:
             CacheCapacityError: more experts than slots; nothing changes.
         """
+        self.table.check_capacity(len(experts))
+        if layer in self._layers_this_forward:  # a layer came round again: a new forward pass
+            self._layers_this_forward.clear()
+        if not self._layers_this_forward:
+            self.table.begin_forward()
         admission = self.table.admit([(layer, expert) for expert in experts])
         for (owner, expert), _ in admission.evictions:
             self._expert_to_slot[owner][expert] = -1
@@ -164,6 +170,7 @@ class SlotPool:
             self._expert_to_slot[layer][expert] = slot
         if admission.loads:
             self._version[layer] += 1
+        self._layers_this_forward.add(layer)
         self._count(layer, admission)
         return admission
 

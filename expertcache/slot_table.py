@@ -74,6 +74,10 @@ class SlotTable:
         if num_keys > self.num_slots:
             raise CacheCapacityError(num_keys, self.num_slots, where=where)
 
+    def begin_forward(self) -> None:
+        """Mark the start of a forward pass for policies that rank by it (Least-Stale)."""
+        self.policy.begin_forward()
+
     def admit(self, keys: Iterable[Key]) -> Admission:
         """Make every key of one call resident and report what moved.
 

@@ -6,18 +6,38 @@ the slot table and the simulator take it unchanged.
 
 from __future__ import annotations
 
+from expertcache.policies.arc import ARCPolicy
 from expertcache.policies.base import EvictionPolicy, Key
+from expertcache.policies.belady import BeladyPolicy
+from expertcache.policies.gdsf import GDSFPolicy
+from expertcache.policies.least_stale import LeastStalePolicy
+from expertcache.policies.lfru import LFRUPolicy
+from expertcache.policies.lfu import LFUPolicy
 from expertcache.policies.lru import LRUPolicy
+from expertcache.policies.slru import SLRUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    LRUPolicy.name: LRUPolicy,
+    policy.name: policy
+    for policy in (
+        LRUPolicy,
+        LFUPolicy,
+        SLRUPolicy,
+        ARCPolicy,
+        LFRUPolicy,
+        LeastStalePolicy,
+        GDSFPolicy,
+        BeladyPolicy,
+    )
 }
 
 
 def make_policy(policy: str | EvictionPolicy, *, capacity: int) -> EvictionPolicy:
     """Return a fresh policy for a name such as ``"lru"``, or ``policy`` itself if given one.
 
-    ``capacity`` is the number of keys the cache holds.
+    ``capacity`` is the number of keys the cache holds. Names: ``"lru"`` (the default),
+    ``"lfu"``, ``"slru"``, ``"arc"``, ``"lfru"``, ``"least_stale"``, ``"gdsf"`` (uniform cost;
+    build `GDSFPolicy` with ``cost=`` for experts of different bytes) and ``"belady"``
+    (clairvoyant, simulation only).
 
     Raises:
         ValueError: for an unknown name (the message lists the known ones).
@@ -35,4 +55,17 @@ def make_policy(policy: str | EvictionPolicy, *, capacity: int) -> EvictionPolic
     return cls(capacity=capacity)
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "Key", "LRUPolicy", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "ARCPolicy",
+    "BeladyPolicy",
+    "EvictionPolicy",
+    "GDSFPolicy",
+    "Key",
+    "LFRUPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "LeastStalePolicy",
+    "SLRUPolicy",
+    "make_policy",
+]

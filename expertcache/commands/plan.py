@@ -1,0 +1,172 @@
+"""``expertcache plan``: which cache size and policy a GPU budget buys, scored on a trace.
+
+    expertcache plan --trace FILE (--expert-bytes B | --manifest FILE) --gpu-budget GB
+                     [--bandwidth GBps] [--layers N] [--plot FILE.png] [--csv FILE]
+
+``--trace`` takes a RoutingTrace ``.npz``, any ``shared/traces`` file or folder (see
+`expertcache.trace.load_trace`). GB here are 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from expertcache.planner import RUNTIME_POLICIES, Plan, PlanRow
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="score policies x cache sizes on a routing trace; recommend a cache size"
+    )
+    parser.add_argument("--trace", required=True, help="routing trace (.npz, .jsonl or folder)")
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--expert-bytes", type=_positive_int, help="bytes of one expert (record)")
+    size.add_argument("--manifest", help="manifest JSON (provider.manifest().write(FILE))")
+    parser.add_argument("--gpu-budget", type=_positive_float, required=True, help="GB for slots")
+    parser.add_argument("--bandwidth", type=_positive_float, help="host->GPU copy GB/s")
+    parser.add_argument("--layers", type=_positive_int, help="MoE layers of the model")
+    parser.add_argument("--num-experts", type=_positive_int, help="experts per layer (override)")
+    parser.add_argument("--policies", default=",".join(RUNTIME_POLICIES), help="comma-separated policy names")
+    parser.add_argument("--plot", help="write hit rate vs cache size to this PNG")
+    parser.add_argument("--csv", help="write every scored row to this CSV")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from expertcache.manifest import Manifest
+    from expertcache.planner import plan
+    from expertcache.trace import load_trace
+
+    trace = load_trace(args.trace, num_experts=args.num_experts)
+    expert_bytes = args.expert_bytes
+    if args.manifest:
+        manifest = Manifest.read(args.manifest)
+        expert_bytes = manifest.record_bytes
+        per_layer = manifest.experts // manifest.layers
+        if per_layer != trace.num_experts:
+            note = f"the manifest has {per_layer} experts per layer, the trace {trace.num_experts}"
+            print(f"note: {note}")
+    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    result = plan(
+        trace,
+        expert_bytes=expert_bytes,
+        gpu_budget_bytes=round(args.gpu_budget * 1e9),
+        bandwidth_bytes_per_second=args.bandwidth * 1e9 if args.bandwidth else None,
+        model_layers=args.layers,
+        policies=policies,
+        progress=None if args.no_progress else _progress_bar,
+    )
+    print(_describe(trace, expert_bytes, args))
+    print(format_table(result, policies))
+    print(recommendation(result, trace.num_experts, args.layers or trace.num_layers))
+    if args.csv:
+        _write_csv(result, args.csv)
+    if args.plot:
+        from expertcache.plan_plot import plot_plan
+
+        name = trace.model or Path(args.trace).name
+        plot_plan(result, args.plot, title=f"{name}: hit rate vs cache size")
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _progress_bar(total: int) -> Callable[[], None]:
+    from tqdm import tqdm
+
+    # disable=None: shown on a terminal, silent when stderr is a file or a pipe
+    bar = tqdm(total=total, desc="replaying", unit="run", file=sys.stderr, leave=False, disable=None)
+    return lambda: bar.update(1)
+
+
+def _describe(trace, expert_bytes: int, args: argparse.Namespace) -> str:
+    layers = args.layers or trace.num_layers
+    lines = [
+        f"trace: {args.trace}",
+        f"  {trace.model or 'model not recorded'}: {trace.num_tokens} tokens, "
+        f"{trace.num_forwards} forward passes, {trace.num_layers} layer(s) traced of {layers}, "
+        f"{trace.num_experts} experts, top-{trace.top_k}",
+        f"  notes: {trace.notes}" if trace.notes else "",
+        f"expert bytes {expert_bytes:,}; GPU budget {args.gpu_budget:g} GB"
+        + (f"; copy bandwidth {args.bandwidth:g} GB/s" if args.bandwidth else ""),
+    ]
+    return "\n".join(line for line in lines if line)
+
+
+def format_table(result: Plan, policies: list[str]) -> str:
+    """Hit rates per policy by pool and size, then Belady, unbounded, and the best's costs."""
+    header = (
+        f"{'pool':<7}{'slots':>6}{'%exp':>6} "
+        + "".join(f"{name:>12}" for name in policies)
+        + f"{'belady':>9}{'unbnd':>7}  {'best':<11}{'miss/tok':>9}{'GB/tok':>8}{'tok/s':>9}"
+    )
+    lines = ["hit rate (%) by policy; costs of the best runtime policy", header, "-" * len(header)]
+    keys = dict.fromkeys((row.scope, row.slots) for row in result.rows)
+    for scope, slots in keys:
+        cells = {name: result.row(scope, slots, name) for name in (*policies, "belady", "unbounded")}
+        best = max((cells[name] for name in policies), key=lambda row: row.hit_rate)
+        marker = "*" if slots in (result.layer_cache_size, result.global_slots) else " "
+        lines.append(
+            f"{scope:<7}{slots:>6}{best.fraction * 100:>5.0f}{marker}"
+            + "".join(f"{cells[name].hit_rate * 100:>12.1f}" for name in policies)
+            + f"{cells['belady'].hit_rate * 100:>9.1f}{cells['unbounded'].hit_rate * 100:>7.1f}  "
+            f"{best.policy:<11}{best.misses_per_token:>9.2f}{best.gb_per_token:>8.3f}"
+            + (f"{best.tokens_per_second:>9.1f}" if best.tokens_per_second is not None else f"{'-':>9}")
+        )
+    lines.append("* = the GPU budget's size")
+    return "\n".join(lines)
+
+
+def recommendation(result: Plan, num_experts: int, layers: int) -> str:
+    """What to run with, in one paragraph."""
+    if result.layer_cache_size < 1:
+        return (
+            f"The budget buys {result.budget_slots} expert slots, fewer than one per layer "
+            f"({layers} layers): raise --gpu-budget."
+        )
+    layer = result.row("layer", result.layer_cache_size, result.layer_policy)
+    pool = result.row("global", result.global_slots, result.global_policy)
+    bound = result.row("layer", result.layer_cache_size, "belady")
+    warning = ""
+    if layer.split_calls:
+        warning = (
+            f"\n  warning: {layer.split_calls} calls of the trace need more distinct experts than "
+            f"{result.layer_cache_size} slots; the simulation ran them in parts, the runtime "
+            "refuses them (CacheCapacityError): split such batches or raise the cache size."
+        )
+    return (
+        f"recommendation: --moe-expert-cache-size {result.layer_cache_size} "
+        f"(of {num_experts} experts per layer, {result.budget_fraction:.0%}) with policy "
+        f"'{result.layer_policy}': hit rate {layer.hit_rate:.1%} (Belady {bound.hit_rate:.1%}), "
+        f"{layer.misses_per_token:.2f} misses and {layer.gb_per_token:.3f} GB per token.\n"
+        f"  one global pool of the same bytes ({result.global_slots} slots over the traced "
+        f"layers) with '{result.global_policy}': hit rate {pool.hit_rate:.1%}." + warning
+    )
+
+
+def _write_csv(result: Plan, path: str) -> None:
+    fields = [field.name for field in dataclasses.fields(PlanRow)]
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for row in result.rows:
+            writer.writerow(dataclasses.asdict(row))

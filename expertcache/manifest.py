@@ -1,0 +1,128 @@
+"""Manifest: what an expert cache registered and what it really allocated, as JSON.
+
+Built from the live objects, not from arithmetic on the configuration: the slot pool's
+bytes are the size of its GPU buffer's storage, the host bytes the size of each backing
+store's record buffer (pinned ones counted as pinned), so the manifest shows what the
+process holds. One provider gives a layer's manifest; several (a model) give the sum,
+each shared pool counted once::
+
+    {"tensors": [{"name", "shape", "dtype", "bytes"}], "layers", "experts", "record_bytes",
+     "num_slots", "pool_gpu_bytes", "host_bytes", "pinned_host_bytes",
+     "full_residency_gpu_bytes", "gpu_bytes_freed", "device"}
+
+``expertcache plan --manifest FILE`` reads ``record_bytes`` (the bytes one miss copies and
+one slot holds) from it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from expertcache.cached_provider import CachedWeightProvider
+
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One registered per-expert tensor: ``shape`` and ``bytes`` are of one expert."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Registered tensors, slots and bytes of one or more cached layers.
+
+    Attributes:
+        tensors: the per-expert tensors every layer registers.
+        layers: cached layers covered.
+        experts: experts summed over those layers (local experts under EP).
+        record_bytes: bytes of one expert's record: what one miss copies, one slot holds.
+        num_slots: slots of the distinct pools.
+        pool_gpu_bytes: bytes of the distinct pools' slot buffers.
+        host_bytes: bytes of the backing stores' records.
+        pinned_host_bytes: the part of ``host_bytes`` that is pinned (page-locked).
+        full_residency_gpu_bytes: bytes the same experts take fully resident (unpadded).
+        gpu_bytes_freed: ``full_residency_gpu_bytes - pool_gpu_bytes`` (negative if larger).
+        device: the pools' device.
+    """
+
+    tensors: tuple[TensorEntry, ...]
+    layers: int
+    experts: int
+    record_bytes: int
+    num_slots: int
+    pool_gpu_bytes: int
+    host_bytes: int
+    pinned_host_bytes: int
+    full_residency_gpu_bytes: int
+    gpu_bytes_freed: int
+    device: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (with ``manifest_version``)."""
+        data = asdict(self)
+        data["tensors"] = [dict(entry, shape=list(entry["shape"])) for entry in data["tensors"]]
+        return {"manifest_version": MANIFEST_VERSION, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def write(self, path: str | Path) -> None:
+        """Write the manifest as JSON to ``path``."""
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def read(cls, path: str | Path) -> Manifest:
+        """Read a manifest written by `write`."""
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if data.pop("manifest_version", None) != MANIFEST_VERSION:
+            raise ValueError(f"{path}: not an expertcache manifest (version {MANIFEST_VERSION})")
+        tensors = tuple(
+            TensorEntry(entry["name"], tuple(entry["shape"]), entry["dtype"], entry["bytes"])
+            for entry in data.pop("tensors")
+        )
+        return cls(tensors=tensors, **data)
+
+
+def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:
+    """The manifest of ``providers`` (one layer, or every cached layer of a model).
+
+    Raises:
+        ValueError: no provider, or providers whose tensors differ.
+    """
+    if not providers:
+        raise ValueError("a manifest needs at least one provider")
+    layout = providers[0].pool.layout
+    for provider in providers[1:]:
+        layout.check_compatible(provider.pool.layout, what="a provider")
+    pools = {id(provider.pool): provider.pool for provider in providers}.values()
+    stores = [provider.store for provider in providers]
+    pool_bytes = sum(pool.records.untyped_storage().nbytes() for pool in pools)
+    host = [store.records.untyped_storage().nbytes() for store in stores]
+    full = sum(store.num_experts for store in stores) * layout.payload_bytes
+    return Manifest(
+        tensors=tuple(
+            TensorEntry(spec.name, spec.shape, str(spec.dtype).removeprefix("torch."), spec.nbytes)
+            for spec in layout.specs
+        ),
+        layers=len(providers),
+        experts=sum(store.num_experts for store in stores),
+        record_bytes=layout.record_bytes,
+        num_slots=sum(pool.num_slots for pool in pools),
+        pool_gpu_bytes=pool_bytes,
+        host_bytes=sum(host),
+        pinned_host_bytes=sum(n for n, store in zip(host, stores, strict=True) if store.pinned),
+        full_residency_gpu_bytes=full,
+        gpu_bytes_freed=full - pool_bytes,
+        device=str(providers[0].device),
+    )

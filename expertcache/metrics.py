@@ -1,0 +1,198 @@
+"""Prometheus metrics of expert caches, read from ``provider.stats`` at scrape time.
+
+Off by default: nothing here runs until a collector is built or a server started. The
+counters are not incremented in the hot path; a custom collector reads each tracked
+provider's ``stats`` when Prometheus scrapes. So the values are exactly the provider's own
+counters in every mode, including a device-driven cache whose counters live on the GPU
+and are read outside CUDA graphs, and ``prepare`` pays nothing for metrics.
+
+Exposed per layer (label ``layer``)::
+
+    expertcache_hits_total, expertcache_misses_total, expertcache_evictions_total,
+    expertcache_bytes_copied_total, expertcache_prepare_calls_total
+    expertcache_prepare_seconds (histogram; only for providers wrapped in TimedProvider)
+
+Usage::
+
+    server = start_metrics_server(9400, providers={"0": layer0, "1": layer1})
+    ...  # serve; curl http://127.0.0.1:9400/metrics
+    server.close()
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from expertcache.provider import ExpertWeightProvider
+from expertcache.result import ExpertWeightResult
+from expertcache.stats import CacheStats
+
+#: Upper bounds (seconds) of the prepare-time histogram buckets.
+PREPARE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+
+_COUNTERS = (
+    ("hits", "hits", "Distinct experts of a call already resident, summed over calls."),
+    ("misses", "misses", "Distinct experts of a call copied in, summed over calls."),
+    ("evictions", "evictions", "Resident experts dropped to make room."),
+    ("bytes_copied", "bytes_h2d", "Bytes copied from the host store into GPU slots."),
+    ("prepare_calls", "calls", "prepare() calls that completed."),
+)
+
+
+class HasStats(Protocol):
+    """Anything with a `CacheStats` snapshot: a provider, a wrapper, a model's layers."""
+
+    @property
+    def stats(self) -> CacheStats: ...
+
+
+class TimedProvider(ExpertWeightProvider):
+    """Wraps a provider and records the host wall time of every ``prepare``.
+
+    Only wrap when metrics are wanted: the wrapper adds two clock reads per call. On a GPU
+    the time is what the host spends in ``prepare`` (admission, the id read, launches);
+    copies it enqueued may still be running when it returns.
+    """
+
+    def __init__(self, provider: ExpertWeightProvider, *, buckets: tuple[float, ...] = PREPARE_BUCKETS) -> None:
+        self.provider = provider
+        self.buckets = tuple(float(bound) for bound in buckets)
+        self._counts = [0] * (len(self.buckets) + 1)  # the last bucket is +Inf
+        self._sum = 0.0
+
+    @property
+    def stats(self) -> CacheStats:
+        """The wrapped provider's `CacheStats`."""
+        return self.provider.stats  # type: ignore[attr-defined]
+
+    def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
+        start = time.perf_counter()
+        result = self.provider.prepare(topk_ids)
+        elapsed = time.perf_counter() - start
+        self._counts[bisect.bisect_left(self.buckets, elapsed)] += 1
+        self._sum += elapsed
+        return result
+
+    def prepare_seconds(self) -> tuple[list[tuple[str, int]], float]:
+        """Cumulative ``(upper bound, count)`` buckets (last ``"+Inf"``) and the sum."""
+        cumulative, total = [], 0
+        for bound, count in zip((*map(str, self.buckets), "+Inf"), self._counts, strict=True):
+            total += count
+            cumulative.append((bound, total))
+        return cumulative, self._sum
+
+
+class CacheCollector(Collector):
+    """Reads tracked providers' ``stats`` on every scrape.
+
+    Args:
+        providers: ``{layer label: provider}``; more can be added with `track`.
+        namespace: metric name prefix.
+    """
+
+    def __init__(self, providers: Mapping[str, HasStats] | None = None, *, namespace: str = "expertcache") -> None:
+        self.namespace = namespace
+        self._providers: dict[str, HasStats] = {}
+        self._frozen: dict[str, CacheStats] | None = None
+        self._lock = threading.Lock()  # a read in flight ends before paused() returns
+        for layer, provider in (providers or {}).items():
+            self.track(layer, provider)
+
+    def track(self, layer: str, provider: HasStats) -> None:
+        """Expose ``provider`` (anything with a ``stats`` `CacheStats`) under ``layer``."""
+        if not hasattr(provider, "stats"):
+            raise TypeError(f"provider for layer {layer!r} has no stats to expose")
+        self._providers[str(layer)] = provider
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Serve the values read on entry, without touching the providers, until exit.
+
+        Wrap CUDA graph capture in it: a device-driven cache's ``stats`` reads device
+        counters (a device-to-host copy), which a scrape thread must not issue while
+        another thread captures under torch's default (global) capture mode.
+        """
+        with self._lock:
+            self._frozen = self._read()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._frozen = None
+
+    def _read(self) -> dict[str, CacheStats]:
+        return {layer: provider.stats for layer, provider in self._providers.items()}
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            snapshot = self._frozen if self._frozen is not None else self._read()
+        for name, field, documentation in _COUNTERS:
+            family = CounterMetricFamily(f"{self.namespace}_{name}", documentation, labels=["layer"])
+            for layer, stats in snapshot.items():
+                family.add_metric([layer], getattr(stats, field))
+            yield family
+        timing = HistogramMetricFamily(
+            f"{self.namespace}_prepare_seconds",
+            "Host wall time of prepare() (providers wrapped in TimedProvider).",
+            labels=["layer"],
+        )
+        for layer, provider in self._providers.items():
+            if isinstance(provider, TimedProvider):
+                buckets, total = provider.prepare_seconds()
+                timing.add_metric([layer], buckets, total)
+        yield timing
+
+
+@dataclass
+class MetricsServer:
+    """A running metrics endpoint: ``http://{addr}:{port}/metrics``."""
+
+    collector: CacheCollector
+    registry: CollectorRegistry
+    addr: str
+    port: int
+    _server: object
+    _thread: object
+
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        self._server.shutdown()  # type: ignore[attr-defined]
+        self._server.server_close()  # type: ignore[attr-defined]
+        self._thread.join(timeout=5)  # type: ignore[attr-defined]
+
+
+def start_metrics_server(
+    port: int,
+    addr: str = "127.0.0.1",
+    *,
+    providers: Mapping[str, HasStats] | None = None,
+    collector: CacheCollector | None = None,
+    registry: CollectorRegistry | None = None,
+) -> MetricsServer:
+    """Serve the caches' metrics over HTTP on ``addr:port`` (port 0: any free port).
+
+    Args:
+        port: TCP port; 0 picks a free one (read it back from ``MetricsServer.port``).
+        addr: address to bind; loopback by default, so nothing is exposed by accident.
+        providers: ``{layer label: provider}`` to track (or pass ``collector``).
+        collector: an existing `CacheCollector` (providers can be added later).
+        registry: the registry to serve (default: a fresh one holding only the collector).
+    """
+    collector = collector if collector is not None else CacheCollector()
+    for layer, provider in (providers or {}).items():
+        collector.track(layer, provider)
+    registry = registry if registry is not None else CollectorRegistry()
+    registry.register(collector)
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    return MetricsServer(collector, registry, addr, server.server_port, server, thread)

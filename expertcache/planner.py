@@ -1,0 +1,212 @@
+"""Capacity planning: score policies x cache sizes on a routing trace, recommend a size.
+
+For each pool kind (a pool per layer, or one global pool for all layers) and each cache
+size, every policy replays the trace through the runtime's own admission
+(`expertcache.sim`); Belady's MIN gives the bound at that size and an unbounded cache the
+bound at any size. Costs follow from the misses: every miss copies one expert record
+(``expert_bytes``) host -> GPU, so a copy bandwidth turns bytes per token into a ceiling
+on tokens per second (copies alone, compute free).
+
+Per-token figures are over the layers the trace records, scaled to ``model_layers`` when
+the model has more (the traced layers are then assumed representative).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from expertcache.sim import ReplayResult, TraceCalls, replay_streams, trace_calls, unbounded
+from expertcache.trace import RoutingTrace
+
+#: Policies a runtime cache can use (Belady is the bound, not a choice).
+RUNTIME_POLICIES = ("lru", "lfu", "slru", "arc", "lfru", "least_stale", "gdsf")
+#: Per-layer cache sizes scored besides the budget's, as fractions of a layer's experts.
+DEFAULT_FRACTIONS = (0.125, 0.25, 0.375, 0.5, 0.75)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    """One policy at one cache size.
+
+    Attributes:
+        scope: ``"layer"`` (``slots`` per layer) or ``"global"`` (``slots`` in all).
+        slots: cache size in experts.
+        fraction: ``slots`` over the experts the pool could hold (``E``, or ``L * E``).
+        policy: policy name (``"belady"`` and ``"unbounded"`` are the bounds).
+        hits, misses: distinct-expert lookups over the whole trace.
+        hit_rate: hits / (hits + misses).
+        misses_per_token: misses per token, over ``model_layers`` layers.
+        gb_per_token: GB (1e9 bytes) copied host -> GPU per token.
+        tokens_per_second: ``bandwidth / bytes per token`` (None without a bandwidth).
+        split_calls: calls with more distinct experts than ``slots`` (run in parts).
+    """
+
+    scope: str
+    slots: int
+    fraction: float
+    policy: str
+    hits: int
+    misses: int
+    hit_rate: float
+    misses_per_token: float
+    gb_per_token: float
+    tokens_per_second: float | None
+    split_calls: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Scores and the recommendation for one budget.
+
+    Attributes:
+        rows: every (scope, slots, policy) scored, bounds included.
+        budget_slots: slots the GPU budget buys in all (``budget // expert_bytes``).
+        layer_cache_size: per-layer slots at the budget (``--moe-expert-cache-size``).
+        layer_policy: best runtime policy for per-layer pools at the budget.
+        global_slots: global-pool slots at the budget for the traced layers
+            (``layer_cache_size * L``: the same bytes as the per-layer pools).
+        global_policy: best runtime policy for one global pool at the budget.
+        budget_fraction: ``layer_cache_size / E``: the share of experts the budget holds.
+    """
+
+    rows: tuple[PlanRow, ...]
+    budget_slots: int
+    layer_cache_size: int
+    layer_policy: str
+    global_slots: int
+    global_policy: str
+    budget_fraction: float
+
+    def row(self, scope: str, slots: int, policy: str) -> PlanRow:
+        """The row of ``policy`` at ``slots`` in ``scope``."""
+        for row in self.rows:
+            if (row.scope, row.slots, row.policy) == (scope, slots, policy):
+                return row
+        raise KeyError((scope, slots, policy))
+
+
+def layer_sizes(num_experts: int, fractions: Sequence[float], extra: Sequence[int]) -> list[int]:
+    """Distinct per-layer cache sizes: ``fractions`` of ``num_experts`` plus ``extra``."""
+    sizes = {max(1, round(fraction * num_experts)) for fraction in fractions}
+    sizes.update(min(max(1, size), num_experts) for size in extra)
+    return sorted(sizes)
+
+
+def best_policy(rows: Sequence[PlanRow], *, min_gain: float = 0.005) -> str:
+    """The runtime policy with the best hit rate; LRU unless another beats it by ``min_gain``.
+
+    LRU costs least on the critical path, so a policy must win by a margin to replace it.
+    """
+    runtime = [row for row in rows if row.policy in RUNTIME_POLICIES]
+    best = max(runtime, key=lambda row: row.hit_rate)
+    lru = next((row for row in runtime if row.policy == "lru"), None)
+    if lru is not None and best.hit_rate - lru.hit_rate < min_gain:
+        return "lru"
+    return best.policy
+
+
+def plan(
+    trace: RoutingTrace,
+    *,
+    expert_bytes: int,
+    gpu_budget_bytes: int,
+    bandwidth_bytes_per_second: float | None = None,
+    model_layers: int | None = None,
+    policies: Sequence[str] = RUNTIME_POLICIES,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    min_gain: float = 0.005,
+    progress: Callable[[int], Callable[[], None]] | None = None,
+) -> Plan:
+    """Score ``policies`` (plus Belady and unbounded) at several sizes on ``trace``.
+
+    Args:
+        trace: the routing trace (``expert_ids`` ``[N, L, K]``).
+        expert_bytes: bytes one expert's record takes in a slot and per copy.
+        gpu_budget_bytes: GPU bytes for the expert cache.
+        bandwidth_bytes_per_second: host -> GPU copy bandwidth for the tok/s ceiling.
+        model_layers: MoE layers of the model (default: the trace's).
+        policies: runtime policies to score.
+        fractions: per-layer sizes to score, as fractions of a layer's experts.
+        min_gain: hit-rate margin a policy needs over LRU to be recommended.
+        progress: ``progress(total) -> tick`` to report each finished replay.
+    """
+    if expert_bytes < 1:
+        raise ValueError(f"expert_bytes must be positive, got {expert_bytes}")
+    layers = model_layers or trace.num_layers
+    experts = trace.num_experts
+    budget_slots = gpu_budget_bytes // expert_bytes
+    layer_budget = min(experts, budget_slots // layers)
+    sizes = layer_sizes(experts, fractions, [layer_budget] if layer_budget >= 1 else [])
+    cost = _Cost(trace.num_tokens, layers / trace.num_layers, expert_bytes, bandwidth_bytes_per_second)
+    names = (*policies, "belady")
+    tick = progress(2 * len(sizes) * len(names)) if progress else (lambda: None)
+    rows: list[PlanRow] = []
+    for scope in ("layer", "global"):
+        streams = trace_calls(trace, scope=scope)
+        scale = 1 if scope == "layer" else trace.num_layers
+        for size in sizes:
+            rows += [_score(streams, scope, size * scale, name, cost, tick) for name in names]
+            rows.append(cost.row(scope, size * scale, streams, "unbounded", unbounded(streams)))
+    return Plan(
+        rows=tuple(rows),
+        budget_slots=budget_slots,
+        layer_cache_size=layer_budget,
+        layer_policy=_best_at(rows, "layer", layer_budget, min_gain),
+        global_slots=layer_budget * trace.num_layers,
+        global_policy=_best_at(rows, "global", layer_budget * trace.num_layers, min_gain),
+        budget_fraction=layer_budget / experts,
+    )
+
+
+def _best_at(rows: list[PlanRow], scope: str, slots: int, min_gain: float) -> str:
+    candidates = [row for row in rows if row.scope == scope and row.slots == slots]
+    return best_policy(candidates, min_gain=min_gain) if candidates else "lru"
+
+
+def _score(
+    streams: list[TraceCalls],
+    scope: str,
+    slots: int,
+    policy: str,
+    cost: _Cost,
+    tick: Callable[[], None],
+) -> PlanRow:
+    result = replay_streams(streams, policy=policy, capacity=slots)
+    tick()
+    return cost.row(scope, slots, streams, policy, result)
+
+
+@dataclass(frozen=True)
+class _Cost:
+    tokens: int
+    layer_scale: float
+    expert_bytes: int
+    bandwidth: float | None
+
+    def row(
+        self,
+        scope: str,
+        slots: int,
+        streams: list[TraceCalls],
+        policy: str,
+        result: ReplayResult,
+    ) -> PlanRow:
+        misses = result.misses * self.layer_scale / max(self.tokens, 1)
+        bytes_per_token = misses * self.expert_bytes
+        ceiling = None
+        if self.bandwidth:
+            ceiling = self.bandwidth / bytes_per_token if bytes_per_token else float("inf")
+        return PlanRow(
+            scope=scope,
+            slots=slots,
+            fraction=slots / streams[0].num_keys,
+            policy=policy,
+            hits=result.hits,
+            misses=result.misses,
+            hit_rate=result.hit_rate,
+            misses_per_token=misses,
+            gb_per_token=bytes_per_token / 1e9,
+            tokens_per_second=ceiling,
+            split_calls=result.split_calls,
+        )

@@ -1,0 +1,115 @@
+"""Calls of a `RoutingTrace` for a per-layer or a global (all-layer) slot pool.
+
+Per layer: layer ``l`` sees one call per forward pass, the experts its tokens chose, and has
+its own pool of ``capacity`` slots. Global: one pool of ``capacity`` slots for all layers,
+keys ``layer_column * num_experts + expert`` (ints, cheaper to hash than tuples), calls in
+execution order: every layer of forward pass 0, then of pass 1, and so on. Token rows with
+no record (``-1``: dropped by the recorder) are skipped; a layer with no record in a pass
+makes no call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from expertcache.policies import EvictionPolicy
+from expertcache.sim.replay import ReplayResult, replay
+from expertcache.trace.format import RoutingTrace
+
+Scope = Literal["layer", "global"]
+
+
+@dataclass(frozen=True)
+class TraceCalls:
+    """One pool's call stream.
+
+    Attributes:
+        calls: distinct int keys of each call, in first-appearance order.
+        forward_starts: indices into ``calls`` where a forward pass starts.
+        num_keys: size of the key universe (``E`` per layer, ``L * E`` global).
+    """
+
+    calls: list[tuple[int, ...]]
+    forward_starts: list[int]
+    num_keys: int
+
+    @property
+    def distinct_keys(self) -> int:
+        """Keys used at least once (the compulsory misses of any cache)."""
+        return len(set().union(*self.calls)) if self.calls else 0
+
+    @property
+    def lookups(self) -> int:
+        return sum(len(call) for call in self.calls)
+
+
+def trace_calls(trace: RoutingTrace, *, scope: Scope) -> list[TraceCalls]:
+    """The call streams of ``trace``: one per layer (``scope="layer"``) or one in all.
+
+    Args:
+        trace: ``expert_ids`` ``[N, L, K]`` int16 (``-1`` = no record).
+        scope: ``"layer"`` (a pool per layer) or ``"global"`` (one pool, all layers).
+    """
+    if scope == "layer":
+        return [_stream(trace, (column,)) for column in range(trace.num_layers)]
+    if scope == "global":
+        return [_stream(trace, tuple(range(trace.num_layers)))]
+    raise ValueError(f"scope must be 'layer' or 'global', got {scope!r}")
+
+
+def _stream(trace: RoutingTrace, columns: Sequence[int]) -> TraceCalls:
+    calls: list[tuple[int, ...]] = []
+    forward_starts: list[int] = []
+    per_column = [trace.calls(column) for column in columns]
+    for forward in zip(*per_column, strict=True):  # each column's call in one forward pass
+        first = True
+        for position, ids in enumerate(forward):
+            keys = ids.reshape(-1).astype(np.int64)
+            keys = keys[keys >= 0]
+            if keys.size == 0:
+                continue
+            if first:
+                forward_starts.append(len(calls))
+                first = False
+            calls.append(tuple(dict.fromkeys((keys + position * trace.num_experts).tolist())))
+    return TraceCalls(calls, forward_starts, len(columns) * trace.num_experts)
+
+
+def replay_streams(streams: Sequence[TraceCalls], *, policy: str | EvictionPolicy, capacity: int) -> ReplayResult:
+    """Replay each stream with its own pool of ``capacity`` keys and add the counts.
+
+    ``policy`` must be a name when there are several streams (each needs a fresh policy).
+    """
+    if isinstance(policy, EvictionPolicy) and len(streams) > 1:
+        raise ValueError("give a policy name: every stream needs a fresh policy")
+    total = ReplayResult(0, 0, 0, 0)
+    for stream in streams:
+        total = total + replay(
+            stream.calls,
+            policy=policy,
+            capacity=capacity,
+            forward_starts=stream.forward_starts,
+        )
+    return total
+
+
+def replay_trace(trace: RoutingTrace, *, policy: str | EvictionPolicy, capacity: int, scope: Scope) -> ReplayResult:
+    """Replay ``trace`` with per-layer pools of ``capacity`` slots, or one global pool.
+
+    Returns:
+        Counts summed over layers (per layer) or of the one pool (global).
+    """
+    return replay_streams(trace_calls(trace, scope=scope), policy=policy, capacity=capacity)
+
+
+def unbounded(streams: Sequence[TraceCalls]) -> ReplayResult:
+    """An infinite cache: every key misses once (its first use), then always hits."""
+    total = ReplayResult(0, 0, 0, 0)
+    for stream in streams:
+        misses = stream.distinct_keys
+        total = total + ReplayResult(stream.lookups - misses, misses, 0, len(stream.calls))
+    return total

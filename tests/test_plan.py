@@ -1,0 +1,118 @@
+"""``expertcache plan``: scores, bounds, the recommendation, the manifest path, the plot."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import random_weights
+
+from expertcache import CachedWeightProvider
+from expertcache.cli import main
+from expertcache.planner import RUNTIME_POLICIES, PlanRow, best_policy, plan
+from expertcache.trace import RoutingTrace
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def _trace(tokens: int = 60, layers: int = 2, experts: int = 8, top_k: int = 2) -> RoutingTrace:
+    """Skewed routing with locality: each token mostly repeats the previous token's choice."""
+    generator = np.random.default_rng(0)
+    ids = np.empty((tokens, layers, top_k), dtype=np.int16)
+    popularity = 1 / np.arange(1, experts + 1)
+    for token in range(tokens):
+        for layer in range(layers):
+            if token and generator.random() < 0.5:
+                ids[token, layer] = ids[token - 1, layer]
+            else:
+                p = popularity / popularity.sum()
+                ids[token, layer] = generator.choice(experts, top_k, replace=False, p=p)
+    # a 10-token prefill, then one token per forward
+    starts = np.concatenate([[0], np.arange(10, tokens)])
+    return RoutingTrace(ids, starts, num_experts=experts, model="synthetic")
+
+
+def test_bounds_hold_at_every_size():
+    result = plan(_trace(), expert_bytes=1000, gpu_budget_bytes=6 * 1000)
+    for row in result.rows:
+        belady = result.row(row.scope, row.slots, "belady")
+        ceiling = result.row(row.scope, row.slots, "unbounded")
+        assert row.hit_rate <= belady.hit_rate <= ceiling.hit_rate or row.policy == "unbounded"
+    assert result.budget_slots == 6
+    assert result.layer_cache_size == 3  # 6 slots over 2 layers
+    assert result.global_slots == 6
+    assert result.budget_fraction == 3 / 8
+
+
+def test_costs_follow_from_misses():
+    trace = _trace()
+    result = plan(trace, expert_bytes=2_000_000, gpu_budget_bytes=8_000_000, bandwidth_bytes_per_second=4e9)
+    row = result.row("layer", 2, "lru")
+    assert row.misses_per_token == pytest.approx(row.misses / trace.num_tokens)
+    assert row.gb_per_token == pytest.approx(row.misses_per_token * 2e6 / 1e9)
+    assert row.tokens_per_second == pytest.approx(4e9 / (row.misses_per_token * 2e6))
+    scaled = plan(trace, expert_bytes=2_000_000, gpu_budget_bytes=8_000_000, model_layers=8)
+    assert scaled.row("layer", 2, "lru").misses_per_token == pytest.approx(
+        row.misses_per_token * 4
+    )  # 8 model layers, 2 traced
+
+
+def test_lru_is_kept_unless_beaten_by_the_margin():
+    def row(policy, hit_rate):
+        return PlanRow("layer", 4, 0.5, policy, 0, 0, hit_rate, 0.0, 0.0, None, 0)
+
+    assert best_policy([row("lru", 0.700), row("arc", 0.704)]) == "lru"
+    assert best_policy([row("lru", 0.700), row("arc", 0.710)]) == "arc"
+    assert best_policy([row("lru", 0.9), row("belady", 0.99)]) == "lru"  # a bound, not a choice
+
+
+def test_cli_prints_table_recommendation_csv_and_plot(tmp_path, capsys):
+    trace = _trace()
+    trace.save(tmp_path / "trace.npz")
+    args = ["plan", "--trace", str(tmp_path / "trace.npz"), "--expert-bytes", "1000"]
+    args += ["--gpu-budget", "6e-6", "--bandwidth", "1", "--no-progress"]
+    args += ["--plot", str(tmp_path / "plan.png"), "--csv", str(tmp_path / "plan.csv")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "recommendation: --moe-expert-cache-size 3" in out
+    assert "warning" in out  # the 10-token prefill needs more than 3 distinct experts
+    assert "belady" in out and "unbnd" in out
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = list(csv.DictReader(open(tmp_path / "plan.csv")))
+    policies = {row["policy"] for row in rows}
+    assert policies == {*RUNTIME_POLICIES, "belady", "unbounded"}
+    assert {row["scope"] for row in rows} == {"layer", "global"}
+
+
+def test_cli_reads_expert_bytes_from_a_manifest(tmp_path, capsys):
+    weights = random_weights(8, 16, 8)
+    provider = CachedWeightProvider(weights, cache_size=2, device="cpu")
+    provider.manifest().write(tmp_path / "manifest.json")
+    _trace().save(tmp_path / "trace.npz")
+    record = provider.manifest().record_bytes
+    args = ["plan", "--trace", str(tmp_path / "trace.npz"), "--manifest"]
+    args += [str(tmp_path / "manifest.json"), "--no-progress"]
+    args += ["--gpu-budget", str(4 * record / 1e9)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"expert bytes {record:,}" in out
+    assert "--moe-expert-cache-size 2" in out
+
+
+def test_a_budget_below_one_slot_per_layer_says_so(tmp_path, capsys):
+    _trace().save(tmp_path / "trace.npz")
+    args = ["plan", "--trace", str(tmp_path / "trace.npz"), "--expert-bytes", "1000"]
+    assert main([*args, "--gpu-budget", "1e-6", "--no-progress"]) == 0
+    assert "fewer than one per layer" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is absent")
+def test_cli_accepts_a_shared_trace_file_directly(capsys):
+    path = TRACES / "olmoe-1b-7b-0924__cerebras-assesment2" / "moe_routes.jsonl"
+    args = ["plan", "--trace", str(path), "--expert-bytes", "12600000", "--gpu-budget", "1.7"]
+    assert main([*args, "--layers", "16", "--policies", "lru,arc", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "allenai/OLMoE-1B-7B-0924" in out
+    assert "--moe-expert-cache-size 8" in out  # 1.7 GB = 134 slots over 16 layers
