@@ -50,7 +50,9 @@ def mixtral_raw(path: Path) -> list[Forward]:
     records = _records(path)
     prefill: dict[int, list] = collections.defaultdict(list)
     index = 0
-    while index < len(records) and (index == 0 or records[index]["layer"] >= records[index - 1]["layer"]):
+    while index < len(records) and (
+        index == 0 or records[index]["layer"] >= records[index - 1]["layer"]
+    ):
         prefill[records[index]["layer"]].append(records[index]["experts"])
         index += 1
     forwards = [[(layer, np.array(rows)) for layer, rows in sorted(prefill.items())]]
@@ -66,7 +68,9 @@ def mixtral_raw(path: Path) -> list[Forward]:
 def mixtral_decode_only(path: Path) -> list[Forward]:
     """Decode steps of each problem in turn; layers paired by their own token index."""
     sequences: dict[tuple[int, int], list] = collections.defaultdict(list)
-    for record in sorted(_records(path), key=lambda r: (r["problem_id"], r["layer"], r["token_idx"])):
+    for record in sorted(
+        _records(path), key=lambda r: (r["problem_id"], r["layer"], r["token_idx"])
+    ):
         sequences[(record["problem_id"], record["layer"])].append(record["experts"])
     forwards = []
     for problem in sorted({p for p, _ in sequences}):
@@ -126,13 +130,17 @@ def workloads(root: Path) -> list[tuple[str, int, list[list[Forward]]]]:
     found = []
     mixtral = root / MIXTRAL
     if (mixtral / "routing_raw.jsonl").exists():
-        found.append(("mixtral raw (prefill+decode)", 8, [mixtral_raw(mixtral / "routing_raw.jsonl")]))
+        found.append(
+            ("mixtral raw (prefill+decode)", 8, [mixtral_raw(mixtral / "routing_raw.jsonl")])
+        )
     decode = [mixtral / name for name in ("humaneval_2_routing.jsonl", "gsm8k_2_routing.jsonl")]
     if all(path.exists() for path in decode):
         found.append(("mixtral decode-only x2", 8, [mixtral_decode_only(path) for path in decode]))
     windows = sorted((root / QWEN3).glob("window_*.jsonl"))
     if windows:
-        found.append((f"qwen3-30b-a3b {len(windows)} windows", 128, [qwen3_window(p) for p in windows]))
+        found.append(
+            (f"qwen3-30b-a3b {len(windows)} windows", 128, [qwen3_window(p) for p in windows])
+        )
     return found
 
 

@@ -60,7 +60,9 @@ class ExpertCacheConfig:
         if not isinstance(self.cache_size, int) or isinstance(self.cache_size, bool):
             raise TypeError(f"cache_size must be an int, got {type(self.cache_size).__name__}")
         if self.cache_size < 1:
-            raise ValueError(f"cache_size (slots per MoE layer) must be at least 1, got {self.cache_size}")
+            raise ValueError(
+                f"cache_size (slots per MoE layer) must be at least 1, got {self.cache_size}"
+            )
         if not isinstance(self.policy, str) or self.policy.lower() not in POLICIES:
             known = ", ".join(sorted(POLICIES))
             raise ValueError(f"unknown eviction policy {self.policy!r}; known policies: {known}")
@@ -83,7 +85,5 @@ def parse_byte_size(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"not a byte size: {text!r} (examples: 1048576, 500MB, 64GiB)"
-        )
+        raise ValueError(f"not a byte size: {text!r} (examples: 1048576, 500MB, 64GiB)")
     return int(float(match.group(1)) * _UNITS[unit])

@@ -118,7 +118,9 @@ def find_expert_blocks(model: nn.Module) -> list[ExpertBlock]:
 
 
 def _looks_like_experts(name: str, module: nn.Module, parameters: dict) -> bool:
-    stacked = "down_proj" in parameters and ("gate_up_proj" in parameters or "up_proj" in parameters)
+    stacked = "down_proj" in parameters and (
+        "gate_up_proj" in parameters or "up_proj" in parameters
+    )
     named = name.rsplit(".", 1)[-1] == "experts" or type(module).__name__.endswith("Experts")
     return stacked or named
 
@@ -126,19 +128,24 @@ def _looks_like_experts(name: str, module: nn.Module, parameters: dict) -> bool:
 def _unsupported_reason(module: nn.Module, parameters: dict[str, torch.Tensor]) -> str | None:
     gate_up, down = parameters.get("gate_up_proj"), parameters.get("down_proj")
     if "up_proj" in parameters and gate_up is None:
-        return "has experts without a gate (up_proj only), which the cache's w1/w2 layout does not describe"
+        return "has experts without a gate (up_proj only), which the cache does not describe"
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
         return "does not store its experts as 3-D gate_up_proj and down_proj parameters"
-    if getattr(type(module).forward, "__wrapped__", None) is None or not hasattr(module, "is_transposed"):
-        return "does not dispatch through transformers' experts interface (@use_experts_implementation)"
+    decorated = getattr(type(module).forward, "__wrapped__", None) is not None
+    if not decorated or not hasattr(module, "is_transposed"):
+        return "does not dispatch through transformers' @use_experts_implementation registry"
     buffers = [buffer_name for buffer_name, _ in module.named_buffers(recurse=False)]
     if buffers:
-        return f"holds buffers {buffers} beside its expert parameters, which the cache does not move"
+        return (
+            f"holds buffers {buffers} beside its expert parameters, which the cache does not move"
+        )
     num_experts = gate_up.shape[0]
     for parameter_name, parameter in parameters.items():
         if parameter.dim() == 0 or parameter.shape[0] != num_experts:
             shape = tuple(parameter.shape)
-            return f"holds {parameter_name} {shape}, which is not one row per expert ({num_experts})"
+            return (
+                f"holds {parameter_name} {shape}, which is not one row per expert ({num_experts})"
+            )
     return None
 
 

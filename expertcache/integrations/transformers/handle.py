@@ -238,18 +238,31 @@ def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
     return blocks
 
 
-def _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes) -> ExpertCacheConfig:
+def _resolve_config(
+    config, cache_size, policy, budget, device, pin_budget_bytes
+) -> ExpertCacheConfig:
     if config is not _UNSET:
         if not isinstance(config, ExpertCacheConfig):
-            raise TypeError(f"config must be an ExpertCacheConfig or None, got {type(config).__name__}")
-        if cache_size is not None or budget is not None or device is not None or pin_budget_bytes is not None:
+            raise TypeError(
+                f"config must be an ExpertCacheConfig or None, got {type(config).__name__}"
+            )
+        if (
+            cache_size is not None
+            or budget is not None
+            or device is not None
+            or pin_budget_bytes is not None
+        ):
             raise TypeError("give either config or the keyword settings, not both")
         return config
     if cache_size is None:
-        raise TypeError("enable_expert_cache needs cache_size (GPU slots per MoE layer) or a config")
+        raise TypeError(
+            "enable_expert_cache needs cache_size (GPU slots per MoE layer) or a config"
+        )
     extra = {"budget": budget} if budget is not None else {}
     device_name = None if device is None else str(device)
-    return ExpertCacheConfig(cache_size, policy, pin_budget_bytes=pin_budget_bytes, device=device_name, **extra)
+    return ExpertCacheConfig(
+        cache_size, policy, pin_budget_bytes=pin_budget_bytes, device=device_name, **extra
+    )
 
 
 def _check_not_meta(model: nn.Module, blocks: list[ExpertBlock]) -> None:
@@ -268,7 +281,9 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> dispatch.E
     interface = experts_interface_of(block.module) or ALL_EXPERTS_FUNCTIONS
     if dispatch.IMPLEMENTATION_NAME not in interface:
         reason = "dispatches through an experts registry that the cache is not registered in"
-        raise UnsupportedModelError(model_family(model), [(block.name, type(block.module).__name__, reason)])
+        raise UnsupportedModelError(
+            model_family(model), [(block.name, type(block.module).__name__, reason)]
+        )
     previous = block.module.config._experts_implementation or "eager"
     if previous == dispatch.IMPLEMENTATION_NAME:
         raise RuntimeError(f"{block.name} already selects the {previous!r} experts implementation")
@@ -276,15 +291,23 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> dispatch.E
 
 
 def _weights(block: ExpertBlock) -> dict[str, torch.Tensor]:
-    return {block.cache_name(name): block.module.get_parameter(name).detach() for name in block.parameter_names}
+    return {
+        block.cache_name(name): block.module.get_parameter(name).detach()
+        for name in block.parameter_names
+    }
 
 
 def _layout(block: ExpertBlock) -> RecordLayout:
     return layout_from_weights(_weights(block))[1]
 
 
-def _check_pin_budget(blocks: list[ExpertBlock], layouts: list[RecordLayout], budget: int | None) -> None:
-    needed = sum(block.num_experts * layout.record_bytes for block, layout in zip(blocks, layouts, strict=True))
+def _check_pin_budget(
+    blocks: list[ExpertBlock], layouts: list[RecordLayout], budget: int | None
+) -> None:
+    needed = sum(
+        block.num_experts * layout.record_bytes
+        for block, layout in zip(blocks, layouts, strict=True)
+    )
     if budget is not None and needed > budget:
         raise PinBudgetError(needed, budget)
 
@@ -296,7 +319,9 @@ def _shared_pool(blocks, layouts, config: ExpertCacheConfig, target: torch.devic
                 f"budget 'global' needs every MoE layer's experts to have the same shapes, but "
                 f"{block.name} differs from {blocks[0].name}; use budget 'per-layer'"
             )
-    return SlotPool(layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy)
+    return SlotPool(
+        layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy
+    )
 
 
 def _provider(block, config: ExpertCacheConfig, target, pool) -> CachedWeightProvider:

@@ -52,7 +52,12 @@ def _common(s: ModelSizes) -> dict:
 def _mixtral(s: ModelSizes):
     from transformers import MixtralConfig
 
-    return MixtralConfig(**_common(s), intermediate_size=s.intermediate, num_local_experts=s.num_experts, head_dim=s.head_dim)
+    return MixtralConfig(
+        **_common(s),
+        intermediate_size=s.intermediate,
+        num_local_experts=s.num_experts,
+        head_dim=s.head_dim,
+    )
 
 
 def _qwen2_moe(s: ModelSizes):
@@ -71,7 +76,10 @@ def _qwen3_moe(s: ModelSizes):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        **_common(s), moe_intermediate_size=s.intermediate, num_experts=s.num_experts, head_dim=s.head_dim
+        **_common(s),
+        moe_intermediate_size=s.intermediate,
+        num_experts=s.num_experts,
+        head_dim=s.head_dim,
     )
 
 
@@ -111,7 +119,10 @@ def _gpt_oss(s: ModelSizes):
     common = _common(s)
     common["max_position_embeddings"] = 131072  # matches its YaRN factor (32 x 4096): no warning
     return GptOssConfig(
-        **common, intermediate_size=s.intermediate, num_local_experts=s.num_experts, head_dim=s.head_dim
+        **common,
+        intermediate_size=s.intermediate,
+        num_local_experts=s.num_experts,
+        head_dim=s.head_dim,
     )
 
 
