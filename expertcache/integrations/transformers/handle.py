@@ -183,9 +183,9 @@ def enable_expert_cache(
     if config is None:
         return None
     config = _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes)
-    blocks = check_cache_size(model, config.cache_size)
-    if any(dispatch.is_bound(block.module) for block in blocks):
+    if any(dispatch.is_bound(module) for module in model.modules()):
         raise RuntimeError("the expert cache is already enabled on this model; disable() it first")
+    blocks = check_cache_size(model, config.cache_size)
     _check_not_meta(model, blocks)
     target = resolve_device(config.device or blocks[0].module.gate_up_proj.device)
     inner = {block.name: _previous_implementation(model, block) for block in blocks}
