@@ -138,7 +138,9 @@ def test_demo_runs_identical_and_round_trips_its_trace(capsys, tmp_path):
     from expertcache.demo import run_demo
 
     sizes = ModelSizes(num_moe_layers=2, num_experts=8, top_k=2, hidden=TINY.hidden)
-    rows = run_demo(device="cpu", new_tokens=4, prompt_tokens=6, sizes=sizes, trace_path=tmp_path / "t.npz")
+    rows = run_demo(
+        device="cpu", new_tokens=4, prompt_tokens=6, sizes=sizes, trace_path=tmp_path / "t.npz"
+    )
     out = capsys.readouterr().out
     assert len(rows) == 5 and all(row.identical for row in rows)
     assert "9 tokens x 2 layers x top-2" in out and "read back: identical" in out
