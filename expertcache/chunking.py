@@ -26,7 +26,7 @@ def split_to_capacity(topk_ids: np.ndarray, capacity: int) -> list[slice]:
     """
     rows = np.asarray(topk_ids)
     pieces: list[slice] = []
-    start, seen = 0, set()
+    start, seen = 0, set[int]()
     for index, row in enumerate(rows.tolist()):
         needed = {int(e) for e in row if e >= 0}
         if len(needed) > capacity:
@@ -36,7 +36,7 @@ def split_to_capacity(topk_ids: np.ndarray, capacity: int) -> list[slice]:
             )
         if len(seen | needed) > capacity:
             pieces.append(slice(start, index))
-            start, seen = index, set()
+            start, seen = index, set[int]()
         seen |= needed
     pieces.append(slice(start, len(rows)))
     return pieces

