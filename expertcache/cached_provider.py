@@ -1,6 +1,6 @@
 """`CachedWeightProvider`: a layer's experts in pinned host memory, the hot ones in GPU slots.
 
-Host-driven admission, one call::
+Host-driven admission (``mode="host"``, any eviction policy), one call::
 
     topk_ids [T, K] on the GPU
       -> read on the host (one device-to-host sync), range-checked, mapped global -> local,
@@ -9,6 +9,10 @@ Host-driven admission, one call::
          misses copied host -> slot
       -> the layer's [E_global] int32 id -> slot table refreshed if it changed
       -> remap kernel: topk_ids -> slot ids (-1 for other ranks' experts)
+
+Device-driven admission (``mode="device"``, LRU): the same decisions made by a Triton kernel
+on the GPU, misses copied by a kernel reading mapped pinned memory; no host sync, so the
+call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,16 +22,18 @@ from collections.abc import Hashable, Mapping
 import numpy as np
 import torch
 
+from expertcache.errors import CacheCapacityError
 from expertcache.kernels import remap_topk_ids
 from expertcache.layout import layout_from_weights
 from expertcache.policies import EvictionPolicy
 from expertcache.provider import ExpertWeightProvider, result_from_tensors
 from expertcache.result import ExpertWeightResult
-from expertcache.slot_pool import SlotPool
-from expertcache.slot_table import Admission
+from expertcache.slot_pool import DeviceSlotPool, SlotPool
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
 from expertcache.validation import check_expert_map, check_topk_ids, resolve_device
+
+MODES = {"host": SlotPool, "device": DeviceSlotPool}
 
 
 class CachedWeightProvider(ExpertWeightProvider):
@@ -39,6 +45,7 @@ class CachedWeightProvider(ExpertWeightProvider):
             ``[E, H, I]``, optional ``"w1_scale"``, ``"w2_scale"``, and any other name
             (biases, MXFP4 scales, ...), which comes back in ``ExpertWeightResult.extra``.
             They are copied into the backing store; the caller may free them afterwards.
+            A `CPUBackingStore` may be passed instead, to share one store between providers.
         cache_size: number of GPU slots, ``1 <= cache_size <= E``. Omit when ``pool`` is given.
         device: the GPU (default: the current CUDA device, else the CPU).
         policy: eviction policy name (``"lru"``) or instance.
@@ -49,11 +56,13 @@ class CachedWeightProvider(ExpertWeightProvider):
         pool: a `SlotPool` shared with other layers (a global budget) instead of a private
             pool of ``cache_size`` slots.
         layer: this layer's key in a shared pool (any hashable, unique per pool).
+        mode: ``"host"`` (default) or ``"device"`` (GPU admission, CUDA-graph capturable,
+            LRU only). With ``pool``, it defaults to (and must equal) the pool's mode.
     """
 
     def __init__(
         self,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor] | CPUBackingStore,
         *,
         cache_size: int | None = None,
         device: str | torch.device | None = None,
@@ -62,8 +71,16 @@ class CachedWeightProvider(ExpertWeightProvider):
         pin_budget_bytes: int | None = None,
         pool: SlotPool | None = None,
         layer: Hashable = 0,
+        mode: str | None = None,
     ) -> None:
-        num_local, layout = layout_from_weights(weights)
+        if isinstance(weights, CPUBackingStore):
+            num_local, layout = weights.num_experts, weights.layout
+        else:
+            num_local, layout = layout_from_weights(weights)
+        if mode is None:
+            mode = "host" if pool is None else pool.mode
+        if mode not in MODES or (pool is not None and pool.mode != mode):
+            raise ValueError(f"mode must be one of {sorted(MODES)} (and the pool's), got {mode!r}")
         if pool is None:
             _check_cache_size(cache_size, num_local)
             target = resolve_device(device)
@@ -78,12 +95,14 @@ class CachedWeightProvider(ExpertWeightProvider):
             global_to_local = torch.arange(num_local, dtype=torch.int32)
         else:
             global_to_local = check_expert_map(expert_map, num_local)
-        store = CPUBackingStore(
-            layout, weights, pin=target.type == "cuda", pin_budget_bytes=pin_budget_bytes
-        )
+        if isinstance(weights, CPUBackingStore):
+            store = weights
+        else:
+            pin = target.type == "cuda"
+            store = CPUBackingStore(layout, weights, pin=pin, pin_budget_bytes=pin_budget_bytes)
         if pool is None:
-            pool = SlotPool(layout, int(cache_size), device=target, policy=policy)  # type: ignore[arg-type]
-        pool.attach(layer, store)
+            pool = MODES[mode](layout, int(cache_size), device=target, policy=policy)  # type: ignore[arg-type]
+        pool.attach(layer, store, global_to_local)
         self.pool = pool
         self.layer = layer
         self.store = store
@@ -93,18 +112,21 @@ class CachedWeightProvider(ExpertWeightProvider):
         self._is_local = self._global_to_local >= 0
         self._mapping = torch.full((self.num_global_experts,), -1, dtype=torch.int32, device=target)
         self._mapping_version = -1
-        self._stats = CacheStats()
 
-    # -- read-only views -------------------------------------------------------------------
+    # -- read-only views (device mode: these synchronise; call them outside graphs) ---------
 
     @property
     def device(self) -> torch.device:
         return self.pool.device
 
     @property
+    def mode(self) -> str:
+        return self.pool.mode
+
+    @property
     def stats(self) -> CacheStats:
-        """Counters of this layer (an immutable snapshot)."""
-        return self._stats
+        """Exact counters of this layer (an immutable snapshot)."""
+        return self.pool.stats(self.layer)
 
     def resident(self) -> frozenset[int]:
         """Local expert ids that hold a slot now."""
@@ -120,10 +142,7 @@ class CachedWeightProvider(ExpertWeightProvider):
         """Local expert held by ``slot`` for this layer, or -1 (free, or another layer's)."""
         if not 0 <= int(slot) < self.pool.num_slots:
             raise IndexError(f"slot {slot} is outside [0, {self.pool.num_slots})")
-        key = self.pool.table.key_in(int(slot))
-        if key is None or key[0] != self.layer:  # type: ignore[index]
-            return -1
-        return int(key[1])  # type: ignore[index]
+        return self.pool.expert_in(self.layer, int(slot))
 
     # -- the call --------------------------------------------------------------------------
 
@@ -141,15 +160,32 @@ class CachedWeightProvider(ExpertWeightProvider):
         Raises:
             TypeError / ValueError / IndexError: bad ids (dtype, shape, device, range).
             CacheCapacityError: more distinct local experts than slots.
-            In every case the cache is left exactly as it was.
+            In every case the cache is left exactly as it was. Device mode checks ids on
+            the host only when ``T * K > num_slots`` (prefill); smaller calls never sync,
+            and ids outside ``[0, E)`` come out -1, counted in ``stats.invalid_ids``.
         """
         check_topk_ids(topk_ids, self.device)
+        if self.pool.mode == "device":
+            return self._prepare_on_device(topk_ids)
         experts = self._local_experts_in_use(topk_ids)
-        admission = self.pool.ensure_resident(self.layer, experts)
+        self.pool.ensure_resident(self.layer, experts)
         self._refresh_mapping()
         slot_ids = remap_topk_ids(topk_ids, self._mapping)
-        self._count(admission)
         return result_from_tensors(self.pool.tensors, slot_ids)
+
+    def _prepare_on_device(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
+        if topk_ids.numel() > self.pool.num_slots:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError(
+                    f"a CUDA graph can hold a call of at most num_slots={self.pool.num_slots} "
+                    f"ids (got {topk_ids.numel()}): only then can it never overflow the cache"
+                )
+            experts = self._local_experts_in_use(topk_ids)  # prefill: a sync is cheap here
+            if len(experts) > self.pool.num_slots:
+                raise CacheCapacityError(len(experts), self.pool.num_slots)
+        out = torch.empty_like(topk_ids, memory_format=torch.contiguous_format)
+        self.pool.admit(self.layer, topk_ids.contiguous(), out)  # type: ignore[attr-defined]
+        return result_from_tensors(self.pool.tensors, out)
 
     def _local_experts_in_use(self, topk_ids: torch.Tensor) -> list[int]:
         flat = topk_ids.reshape(-1).cpu().numpy()  # the host-driven path's one sync
@@ -174,16 +210,6 @@ class CachedWeightProvider(ExpertWeightProvider):
         self._mapping.copy_(host, non_blocking=True)
         self._mapping_version = version
 
-    def _count(self, admission: Admission) -> None:
-        misses = len(admission.loads)
-        self._stats = CacheStats(
-            hits=self._stats.hits + len(admission.hits),
-            misses=self._stats.misses + misses,
-            evictions=self._stats.evictions + len(admission.evictions),
-            bytes_h2d=self._stats.bytes_h2d + misses * self.pool.layout.record_bytes,
-            calls=self._stats.calls + 1,
-        )
-
 
 def _check_cache_size(cache_size: object, num_experts: int) -> None:
     if cache_size is None:
@@ -192,6 +218,5 @@ def _check_cache_size(cache_size: object, num_experts: int) -> None:
         raise TypeError(f"cache_size must be an int, got {type(cache_size).__name__}")
     if not 1 <= cache_size <= num_experts:
         raise ValueError(
-            f"cache_size must be between 1 and the number of local experts ({num_experts}), "
-            f"got {cache_size}"
+            f"cache_size must be between 1 and the number of local experts ({num_experts}), got {cache_size}"
         )

@@ -116,8 +116,7 @@ def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, Recor
     _check_matrix_shapes(weights["w1"], weights["w2"])
     rest = sorted(name for name in weights if name not in REQUIRED)
     specs = tuple(
-        ExpertTensorSpec(name, tuple(weights[name].shape[1:]), weights[name].dtype)
-        for name in (*REQUIRED, *rest)
+        ExpertTensorSpec(name, tuple(weights[name].shape[1:]), weights[name].dtype) for name in (*REQUIRED, *rest)
     )
     return num_experts, RecordLayout.from_specs(specs)
 
@@ -129,9 +128,7 @@ def _check_matrix_shapes(w1: torch.Tensor, w2: torch.Tensor) -> None:
     if not (w1.is_floating_point() and w2.is_floating_point()):
         return
     if w1.dim() != 3 or w2.dim() != 3:
-        raise ValueError(
-            f"w1 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w1.shape)} and {tuple(w2.shape)}"
-        )
+        raise ValueError(f"w1 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w1.shape)} and {tuple(w2.shape)}")
     _, a, b = w1.shape
     _, c, d = w2.shape
     transposed_w = b == 2 * c and a == d  # [E, H, 2I], [E, I, H]

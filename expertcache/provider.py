@@ -17,6 +17,7 @@ import torch
 from expertcache.kernels import remap_topk_ids
 from expertcache.layout import layout_from_weights
 from expertcache.result import ExpertWeightResult
+from expertcache.stats import CacheStats
 from expertcache.validation import check_expert_map, check_topk_ids
 
 _NAMED = ("w1", "w2", "w1_scale", "w2_scale")
@@ -24,6 +25,11 @@ _NAMED = ("w1", "w2", "w1_scale", "w2_scale")
 
 class ExpertWeightProvider(ABC):
     """Supplies one MoE layer's expert weights for each fused-MoE call."""
+
+    @property
+    def stats(self) -> CacheStats:
+        """Cache counters; a provider that caches nothing reports none."""
+        return CacheStats()
 
     @abstractmethod
     def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
@@ -38,9 +44,7 @@ class ExpertWeightProvider(ABC):
         """
 
 
-def result_from_tensors(
-    tensors: Mapping[str, torch.Tensor], topk_ids: torch.Tensor
-) -> ExpertWeightResult:
+def result_from_tensors(tensors: Mapping[str, torch.Tensor], topk_ids: torch.Tensor) -> ExpertWeightResult:
     """Sort registered tensors into the fixed fields of `ExpertWeightResult` and ``extra``."""
     return ExpertWeightResult(
         w1=tensors["w1"],
@@ -65,9 +69,7 @@ class FullGPUProvider(ExpertWeightProvider):
     applying ``expert_map``.
     """
 
-    def __init__(
-        self, weights: Mapping[str, torch.Tensor], *, expert_map: torch.Tensor | None = None
-    ) -> None:
+    def __init__(self, weights: Mapping[str, torch.Tensor], *, expert_map: torch.Tensor | None = None) -> None:
         num_experts, _ = layout_from_weights(weights)
         self.device = weights["w1"].device
         for name, tensor in weights.items():

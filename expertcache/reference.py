@@ -8,7 +8,9 @@ For every (token t, choice k) with expert e = topk_ids[t, k] != -1::
 
 Rows are grouped by expert id, so the same rows meet the same weights in the same order
 whatever index space the ids live in: a provider's slot ids give bit-identical results to
-the full weights on a CPU.
+the full weights on a CPU. `expert_outputs` (the ``y_tk``) and `combine_expert_outputs`
+(the weighted k-order sum) are the two halves of `moe_forward`, exposed so that expert
+parallelism can compute ``y_tk`` on the rank owning the expert and still sum exactly as here.
 """
 
 from __future__ import annotations
@@ -46,15 +48,36 @@ def moe_forward(
     Returns:
         ``[T, H]`` in ``hidden``'s dtype.
     """
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T, K]"
+        )
+    per_choice = expert_outputs(hidden, w1, w2, topk_ids, activation=activation)
+    return combine_expert_outputs(per_choice, topk_weights)
+
+
+def expert_outputs(
+    hidden: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The unweighted output ``y_tk`` of every (token, choice): `moe_forward` before the sum.
+
+    Args:
+        hidden, w1, w2, topk_ids, activation: as in `moe_forward`.
+
+    Returns:
+        ``[T, K, H]`` in ``hidden``'s dtype; zeros where ``topk_ids`` is -1.
+    """
     try:
         act = ACTIVATIONS[activation]
     except KeyError:
         raise ValueError(f"unknown activation {activation!r}; known: {sorted(ACTIVATIONS)}") from None
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2:
-        raise ValueError(
-            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-            f"must both be [T, K]"
-        )
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")
     tokens, top_k = topk_ids.shape
     per_choice = hidden.new_zeros(tokens, top_k, w2.shape[1])  # y_tk, [T, K, H]
     for expert in torch.unique(topk_ids).tolist():
@@ -63,8 +86,22 @@ def moe_forward(
         token_idx, choice_idx = torch.nonzero(topk_ids == expert, as_tuple=True)
         gate, up = (hidden[token_idx] @ w1[expert].T).chunk(2, dim=-1)
         per_choice[token_idx, choice_idx] = (act(gate) * up) @ w2[expert].T
-    weighted = per_choice * topk_weights.to(hidden.dtype).unsqueeze(-1)
+    return per_choice
+
+
+def combine_expert_outputs(per_choice: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``out_t = sum_k topk_weights[t, k] * y_tk``, summed in k order.
+
+    Args:
+        per_choice: ``[T, K, H]`` from `expert_outputs`.
+        topk_weights: ``[T, K]`` router weights.
+
+    Returns:
+        ``[T, H]`` in ``per_choice``'s dtype. Each row depends only on its own inputs, so
+        combining a slice of tokens gives bit-identical rows to combining the whole batch.
+    """
+    weighted = per_choice * topk_weights.to(per_choice.dtype).unsqueeze(-1)
     out = weighted[:, 0]
-    for k in range(1, top_k):
+    for k in range(1, per_choice.shape[1]):
         out = out + weighted[:, k]
     return out

@@ -103,16 +103,12 @@ class SlotTable:
         self.policy.end_call()
         return Admission(tuple(hits), tuple(loads), tuple(evictions))
 
-    def _take_free_slot(
-        self, protected: set[Key], incoming: Key, evictions: list[tuple[Key, int]]
-    ) -> int:
+    def _take_free_slot(self, protected: set[Key], incoming: Key, evictions: list[tuple[Key, int]]) -> int:
         if self._free:
             return heapq.heappop(self._free)
         victim = self.policy.choose_victim(protected, incoming)
         if victim in protected or victim not in self._slot_of:
-            raise RuntimeError(
-                f"policy {self.policy.name!r} chose {victim!r}, which is not an evictable key"
-            )
+            raise RuntimeError(f"policy {self.policy.name!r} chose {victim!r}, which is not an evictable key")
         slot = self._slot_of.pop(victim)
         self._key_in[slot] = None
         self.policy.on_evict(victim)

@@ -15,6 +15,8 @@ class CacheStats:
         evictions: resident experts dropped to make room, summed over calls.
         bytes_h2d: bytes copied from the host store into slots.
         calls: ``prepare`` calls that completed.
+        invalid_ids: ids outside ``[0, E)`` that device mode mapped to -1 instead of raising
+            (it cannot raise without a host sync); always 0 in host mode, which raises.
     """
 
     hits: int = 0
@@ -22,6 +24,7 @@ class CacheStats:
     evictions: int = 0
     bytes_h2d: int = 0
     calls: int = 0
+    invalid_ids: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -36,4 +39,5 @@ class CacheStats:
             self.evictions + other.evictions,
             self.bytes_h2d + other.bytes_h2d,
             self.calls + other.calls,
+            self.invalid_ids + other.invalid_ids,
         )

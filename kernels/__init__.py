@@ -6,6 +6,7 @@ No kernel uses ``@triton.autotune`` (it needs a GPU driver): block sizes are cho
 launcher, so the kernels also run under ``TRITON_INTERPRET=1`` on a CPU.
 """
 
+from expertcache.kernels.expert_apply import moe_apply
 from expertcache.kernels.remap import remap_topk_ids, remap_topk_ids_torch
 
-__all__ = ["remap_topk_ids", "remap_topk_ids_torch"]
+__all__ = ["moe_apply", "remap_topk_ids", "remap_topk_ids_torch"]

@@ -35,9 +35,7 @@ def remap_topk_ids_torch(topk_ids: torch.Tensor, mapping: torch.Tensor) -> torch
     return torch.where(valid, mapped, torch.full_like(topk_ids, -1))
 
 
-def remap_topk_ids(
-    topk_ids: torch.Tensor, mapping: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def remap_topk_ids(topk_ids: torch.Tensor, mapping: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Map every id through ``mapping`` on the device, without a host sync.
 
     Args:

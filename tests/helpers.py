@@ -26,9 +26,7 @@ def random_weights(
     return weights
 
 
-def random_topk(
-    tokens: int, top_k: int, num_experts: int, *, generator: torch.Generator | None = None
-) -> torch.Tensor:
+def random_topk(tokens: int, top_k: int, num_experts: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
     """``[T, K]`` int64 ids, distinct within each row (as a router's top-k)."""
     scores = torch.rand(tokens, num_experts, generator=generator)
     return scores.topk(top_k, dim=-1).indices

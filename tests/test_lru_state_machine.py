@@ -62,9 +62,7 @@ class SharedPoolLRU(RuleBasedStateMachine):
         self.model = LRUModel(num_slots)
         self.weights = random_weights(num_experts, 8, 4, extras=True)
         self.pool = SlotPool.for_weights(self.weights, num_slots, device="cpu")
-        self.layers = [
-            CachedWeightProvider(self.weights, pool=self.pool, layer=index) for index in range(num_layers)
-        ]
+        self.layers = [CachedWeightProvider(self.weights, pool=self.pool, layer=index) for index in range(num_layers)]
         self.address = self.pool.records.data_ptr()
 
     def _snapshot(self):

@@ -1,0 +1,200 @@
+"""Decode steps with the cache inside, side by side, routing replayed from a real trace.
+
+Variants (one process, same kernels, same routing):
+  (a) all experts resident (FullGPUProvider), eager and CUDA graph
+  (b) host-driven CachedWeightProvider, eager (it cannot be captured)
+  (c) device-driven CachedWeightProvider, eager
+  (d) device-driven CachedWeightProvider, whole step in one CUDA graph
+  (e) flashlib 0.4.0 lru_ensure driving the same slots and copy kernel, CUDA graph
+  (f) whole-layer streaming (every expert of a layer copied each step), eager
+
+Physical bound of a cached step: (a)'s graphed step time + miss bytes / measured pinned
+copy bandwidth. Each variant runs the trace once to warm the cache, then once timed.
+
+    python benchmarks/bench_decode.py [--layers 12] [--fractions 0.25 0.5 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_csv, cuda_time_ms, pinned_copy_gbps, print_table, traces_dir  # noqa: E402
+from baselines import FlashlibLRUProvider, WholeLayerStreamingProvider  # noqa: E402
+
+from expertcache import CachedWeightProvider, FullGPUProvider  # noqa: E402
+from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E402
+from expertcache.kernels.copy_records import copy_planned_records  # noqa: E402
+from expertcache.layout import layout_from_weights  # noqa: E402
+from expertcache.slot_pool import SlotPool  # noqa: E402
+from expertcache.stats import CacheStats  # noqa: E402
+from expertcache.store import CPUBackingStore  # noqa: E402
+
+QWEN3 = dict(name="Qwen3-30B-A3B", hidden=2048, inter=768, experts=128, top_k=8,
+             trace="qwen3-30b-a3b-instruct-2507__local-moe-inference-stack")  # fmt: skip
+
+
+def qwen3_routing(folder: Path, layers: int) -> np.ndarray:
+    """``[N, layers, 8]`` expert ids of the Qwen3-30B-A3B trace windows, in file order."""
+    tokens = []
+    for path in sorted(folder.glob("window_*.jsonl")):
+        per_token: dict[tuple, list] = {}
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            per_token.setdefault((record["prompt_id"], record["token_pos"]), []).append(record["experts"])
+        tokens.extend(ids[:layers] for ids in per_token.values())
+    return np.asarray(tokens, dtype=np.int64)
+
+
+def total_stats(providers) -> CacheStats:
+    return sum((p.stats for p in providers), CacheStats())
+
+
+def run_pass(step: Callable, hidden: torch.Tensor, routing: torch.Tensor) -> float:
+    """Milliseconds per step over the whole sequence (synchronised at both ends)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for index in range(routing.shape[0]):
+        step(hidden[index], routing[index])
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / routing.shape[0]
+
+
+def measure(name, providers, shape, hidden, routing, *, graph: bool, steps: int | None = None) -> dict:
+    stack = DecodeStack(providers, shape["hidden"], shape["experts"], dtype=torch.bfloat16, device="cuda")
+    hidden, routing = hidden[:steps], routing[:steps]
+    step = GraphedDecodeStep(stack, hidden[0], routing[:1]) if graph else stack.step
+    run_pass(step, hidden, routing)  # warm pass
+    before = total_stats(providers)
+    ms = run_pass(step, hidden, routing)
+    delta = total_stats(providers)
+    lookups = (delta.hits - before.hits) + (delta.misses - before.misses)
+    tokens = routing.shape[0] * routing.shape[2]
+    return {
+        "variant": name,
+        "ms_per_step": ms,
+        "tok_per_s": 1e3 * routing.shape[2] / ms,
+        "hit_rate": (delta.hits - before.hits) / lookups if lookups else 1.0,
+        "gb_per_token": (delta.bytes_h2d - before.bytes_h2d) / tokens / 1e9,
+    }
+
+
+def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
+    """Copy bursts of 1, 2, 8 records: copy kernel at several grid sizes vs the copy engine."""
+    pool = SlotPool(store.layout, 32, device="cuda")
+    rows = []
+    for count in (1, 2, 8, 32):
+        experts = torch.randperm(store.num_experts)[:count].int().cuda()
+        plan_slot = torch.randperm(32)[:count].int().cuda()
+        plan_count = torch.tensor([count], dtype=torch.int32, device="cuda")
+
+        def kernel_copy(programs, block, experts=experts, plan_slot=plan_slot, plan_count=plan_count):
+            copy_planned_records(
+                store.records, pool.records, experts, plan_slot, plan_count, num_programs=programs, block=block
+            )
+
+        nbytes = count * store.layout.record_bytes
+        engine_ms = cuda_time_ms(
+            lambda experts=experts, plan_slot=plan_slot: [
+                pool.records[s].copy_(store.records[e], non_blocking=True)
+                for e, s in zip(experts.tolist(), plan_slot.tolist(), strict=True)
+            ],
+            repeats=20,
+        )
+        row = {"records": count, "mb": nbytes / 1e6, "copy_engine_gbps": nbytes / engine_ms / 1e6}
+        for programs, block in ((16, 4096), (64, 4096), (132, 4096), (64, 1024), (64, 16384), (132, 16384)):
+            ms = cuda_time_ms(lambda programs=programs, block=block: kernel_copy(programs, block), repeats=20)
+            row[f"kernel_{programs}x{block}_gbps"] = nbytes / ms / 1e6
+        row["best_kernel_vs_pinned"] = max(v for k, v in row.items() if k.startswith("kernel_")) / copy_gbps
+        rows.append(row)
+    return rows
+
+
+def make_cached(kind: str, store: CPUBackingStore, slots: int, top_k: int):
+    if kind == "flashlib":
+        return FlashlibLRUProvider(store, slots, top_k)
+    return CachedWeightProvider(store, cache_size=slots, mode=kind)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    parser.add_argument("--streaming-steps", type=int, default=8)
+    parser.add_argument("--skip-flashlib", action="store_true")
+    args = parser.parse_args()
+    shape = QWEN3
+    E, H, inter, L = shape["experts"], shape["hidden"], shape["inter"], args.layers
+    routing = torch.from_numpy(qwen3_routing(traces_dir() / shape["trace"], L)).cuda()[:, :, None, :]  # [N, L, 1, K]
+    steps = routing.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(steps, 1, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+    full = [
+        {
+            "w1": torch.randn(E, 2 * inter, H, device="cuda", generator=gen, dtype=torch.bfloat16) * H**-0.5,
+            "w2": torch.randn(E, H, inter, device="cuda", generator=gen, dtype=torch.bfloat16) * inter**-0.5,
+        }
+        for _ in range(L)
+    ]
+    _, layout = layout_from_weights(full[0])
+    start = time.perf_counter()
+    stores = [CPUBackingStore(layout, w, pin=True) for w in full]
+    print(f"{shape['name']}: {L} layers x {E} experts, {layout.record_bytes / 1e6:.2f} MB per expert, "
+          f"{steps} trace tokens; pinned {sum(s.nbytes for s in stores) / 1e9:.1f} GB "
+          f"in {time.perf_counter() - start:.1f} s")  # fmt: skip
+    copy_gbps = pinned_copy_gbps(256 * 2**20)
+    record_gbps = pinned_copy_gbps(layout.record_bytes)
+    print(f"pinned copy-engine bandwidth: {copy_gbps:.1f} GB/s (256 MiB), {record_gbps:.1f} GB/s (one record)")
+
+    copy_rows = bench_copy_kernel(stores[0], copy_gbps)
+    print_table(copy_rows, list(copy_rows[0]), title="copy bursts: GB/s of the copy kernel by grid size vs copy engine")
+
+    rows = []
+    resident = [FullGPUProvider(w) for w in full]
+    for graph in (False, True):
+        rows.append({"cache": "all", **measure(f"(a) all resident{' graph' if graph else ''}", resident, shape,
+                                               hidden, routing, graph=graph)})  # fmt: skip
+    base_ms = rows[-1]["ms_per_step"]
+    staging = torch.empty(E, layout.record_bytes, dtype=torch.uint8, device="cuda")
+    streaming = [WholeLayerStreamingProvider(s, staging) for s in stores]
+    rows.append({"cache": "stream", **measure("(f) whole-layer streaming", streaming, shape, hidden, routing,
+                                              graph=False, steps=args.streaming_steps)})  # fmt: skip
+    del staging, streaming
+
+    for fraction in args.fractions:
+        slots = round(fraction * E)
+        variants = [("(b) host-driven", "host", False), ("(c) device eager", "device", False),
+                    ("(d) device graph", "device", True)]  # fmt: skip
+        if not args.skip_flashlib:
+            variants.append(("(e) flashlib lru_ensure graph", "flashlib", True))
+        for name, kind, graph in variants:
+            providers = [make_cached(kind, store, slots, shape["top_k"]) for store in stores]
+            rows.append({"cache": f"{fraction:.0%}", **measure(name, providers, shape, hidden, routing, graph=graph)})
+            del providers
+            torch.cuda.empty_cache()
+
+    host_ms = {r["cache"]: r["ms_per_step"] for r in rows if r["variant"].startswith("(b)")}
+    for row in rows:
+        miss_ms = row["gb_per_token"] * 1e9 / (copy_gbps * 1e6)
+        row["bound_ms"] = base_ms + miss_ms
+        row["ratio_to_bound"] = row["ms_per_step"] / row["bound_ms"]
+        if row["cache"] in host_ms:
+            row["speedup_vs_b"] = host_ms[row["cache"]] / row["ms_per_step"]
+    columns = ["cache", "variant", "ms_per_step", "tok_per_s", "hit_rate", "gb_per_token", "bound_ms",
+               "ratio_to_bound", "speedup_vs_b"]  # fmt: skip
+    print_table(rows, columns, title=f"{shape['name']} decode, bs=1, {L} layers, bf16; bound = (a) graph "
+                                     f"{base_ms:.3f} ms + miss bytes / {copy_gbps:.1f} GB/s")  # fmt: skip
+    append_csv("bench_decode", [{"shape": shape["name"], "layers": L, "pinned_gbps": copy_gbps, **r} for r in rows])
+    append_csv("bench_copy", [{"pinned_gbps": copy_gbps, **r} for r in copy_rows])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one go, for a lent GPU machine with no registry access.
+# Usage: bash benchmarks/gpu_session.sh [STEP ...]   (steps: tests prepare decode; default all)
+# Logs and CSVs go to $OUT (or ./gpu-out). Carried wheels in .whl/ (flashlib) are installed
+# into /tmp/site first. Each step has its own time limit, so one failure doesn't stop the rest.
+set -u
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# expertcache.kernels lives in kernels/: install the package (editable), else lay it out by hand.
+if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
+  mkdir -p /tmp/src && rm -rf /tmp/src/expertcache && cp -r expertcache /tmp/src/ && cp -r kernels /tmp/src/expertcache/kernels
+  export PYTHONPATH=/tmp/src:$PYTHONPATH
+  echo "editable install failed (see install.log); using /tmp/src"
+fi
+export EXPERTCACHE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+steps=${*:-tests prepare decode}
+for step in $steps; do
+  echo "=== $step"
+  case $step in
+    tests) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=6 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    prepare) timeout 180 python3 benchmarks/bench_prepare.py 2>&1 | tee "$OUT/bench_prepare.log" ;;
+    decode) timeout 400 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+cp benchmarks/results/*.csv "$OUT/" 2>/dev/null
+exit 0

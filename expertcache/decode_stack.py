@@ -1,0 +1,119 @@
+"""A multi-layer MoE decode step, and the same step captured once in a CUDA graph.
+
+The shape of what an engine runs per generated token, with the cache inside::
+
+    for each layer:  h = rms_norm(h + h @ attention)               (stand-in GEMM)
+                     logits = h @ router;  weights = softmax(logits at the given ids)
+                     result = provider.prepare(ids)                 (cache: admit, copy, remap)
+                     h = h + moe_apply(h, result.w1, result.w2, weights, result.topk_ids)
+
+Routing ids are an input (replayed from a trace, or any router's top-k), so a captured
+graph replays with fresh routing every step. With device-mode providers the captured step
+contains admissions and copies: misses are served inside the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from expertcache.kernels import moe_apply
+from expertcache.provider import ExpertWeightProvider
+
+
+class DecodeStack:
+    """``L`` MoE layers fed by ``providers`` (one per layer), random dense parts.
+
+    Args:
+        providers: one weight provider per layer (full, host- or device-mode cached).
+        hidden_size: ``H``.
+        num_experts: ``E`` (router width).
+        dtype, device: of the dense parts and activations.
+        seed: the dense parts are drawn from it, so stacks with the same seed compute the
+            same function.
+    """
+
+    def __init__(
+        self,
+        providers: Sequence[ExpertWeightProvider],
+        hidden_size: int,
+        num_experts: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        seed: int = 0,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        scale = hidden_size**-0.5
+        self.providers = list(providers)
+        self.attention = [
+            (torch.randn(hidden_size, hidden_size, generator=gen) * scale).to(device, dtype) for _ in self.providers
+        ]
+        self.router = [
+            (torch.randn(hidden_size, num_experts, generator=gen) * scale).to(device, dtype) for _ in self.providers
+        ]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.providers)
+
+    def step(self, hidden: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        """One decode step.
+
+        Args:
+            hidden: ``[T, H]`` activations.
+            routing: ``[L, T, K]`` int expert ids per layer.
+
+        Returns:
+            ``[T, H]`` activations after the last layer.
+        """
+        h = hidden
+        for layer, provider in enumerate(self.providers):
+            h = F.rms_norm(h + h @ self.attention[layer], (h.shape[-1],))
+            ids = routing[layer]
+            logits = (h @ self.router[layer]).float()
+            weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
+            result = provider.prepare(ids)
+            h = h + moe_apply(h, result.w1, result.w2, weights, result.topk_ids)
+        return h
+
+
+class GraphedDecodeStep:
+    """``stack.step`` captured once in a ``torch.cuda.CUDAGraph``; replay with new inputs.
+
+    Construction runs ``warmup_routing.shape[0]`` eager steps (compiling the kernels) on a
+    side stream, joins it, then captures one step. The warm-up steps are real steps: with
+    a cache they admit experts like any other.
+
+    Args:
+        stack: the decode stack.
+        hidden: ``[T, H]`` example activations (shape and dtype of every later input).
+        warmup_routing: ``[W, L, T, K]`` routing of the warm-up steps (``W >= 1``).
+    """
+
+    def __init__(self, stack: DecodeStack, hidden: torch.Tensor, warmup_routing: torch.Tensor) -> None:
+        self.stack = stack
+        self.hidden = hidden.clone()
+        self.routing = warmup_routing[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for routing in warmup_routing:
+                self.routing.copy_(routing)
+                stack.step(self.hidden, self.routing)
+        torch.cuda.current_stream().wait_stream(side)  # joined before capture begins
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = stack.step(self.hidden, self.routing)
+
+    def __call__(self, hidden: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        """Replay one step on ``hidden`` ``[T, H]`` with ``routing`` ``[L, T, K]``.
+
+        Returns the graph's output buffer (overwritten by the next replay).
+        """
+        self.hidden.copy_(hidden)
+        self.routing.copy_(routing)
+        self.graph.replay()
+        return self.output

@@ -1,0 +1,152 @@
+"""Expert apply for decode-sized batches: reads weights by index, never gathers them.
+
+``moe_apply(hidden, w1, w2, topk_weights, topk_ids)`` computes what
+`expertcache.reference.moe_forward` computes (SiLU-gated MLP per (token, choice), weighted
+sum over k), reading ``w1[idx]`` / ``w2[idx]`` in place. ``w1``/``w2`` may be fully resident
+``[E, ...]`` weights indexed by expert ids or a slot pool ``[S, ...]`` indexed by slot ids:
+the same kernels run either way, so a cache hit costs what the all-resident path costs,
+and both give bit-identical outputs. Three launches, no atomics (deterministic)::
+
+    gate_up  grid (T*K, I/BLOCK_I):  act[t,k]   = silu(W1g[e] @ x_t) * (W1u[e] @ x_t)   fp32
+    down     grid (T*K, H/BLOCK_H):  part[t,k]  = topk_weight[t,k] * (W2[e] @ act[t,k])  fp32
+    sum_k    grid (T, H/BLOCK_H):    out[t]     = sum over k of part[t,k], in k order
+
+Matrix-vector products, memory-bound at decode batch sizes; for large ``T`` a grouped GEMM
+(the host engine's fused MoE) is the right tool.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from expertcache.kernels._launch import runs_on
+
+
+@triton.jit
+def _gate_up_kernel(
+    hidden_ptr, w1_ptr, ids_ptr, act_ptr,
+    hidden_size, inter_size, top_k, stride_token, stride_expert, stride_row,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    row_mask = rows < inter_size
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    gate = tl.zeros([BLOCK_I], dtype=tl.float32)
+    up = tl.zeros([BLOCK_I], dtype=tl.float32)
+    if expert >= 0:
+        x_row = hidden_ptr + (pair // top_k) * stride_token
+        gate_rows = w1_ptr + expert * stride_expert + rows[:, None] * stride_row
+        up_rows = gate_rows + inter_size * stride_row
+        for start in range(0, hidden_size, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            col_mask = cols < hidden_size
+            x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+            mask = row_mask[:, None] & col_mask[None, :]
+            g = tl.load(gate_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(up_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            gate += tl.sum(g * x[None, :], axis=1)
+            up += tl.sum(u * x[None, :], axis=1)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + pair * inter_size + rows, act, mask=row_mask)
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w2_ptr, ids_ptr, weights_ptr, part_ptr,
+    hidden_size, inter_size, stride_expert, stride_row,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_mask = rows < hidden_size
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if expert >= 0:
+        w_rows = w2_ptr + expert * stride_expert + rows[:, None] * stride_row
+        for start in range(0, inter_size, BLOCK_I):
+            cols = start + tl.arange(0, BLOCK_I)
+            col_mask = cols < inter_size
+            a = tl.load(act_ptr + pair * inter_size + cols, mask=col_mask, other=0.0)
+            w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(part_ptr + pair * hidden_size + rows, acc, mask=row_mask)
+
+
+@triton.jit
+def _sum_over_k_kernel(part_ptr, out_ptr, hidden_size, top_k, stride_out, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden_size
+    total = tl.load(part_ptr + token * top_k * hidden_size + cols, mask=mask, other=0.0)
+    for k in range(1, top_k):
+        total += tl.load(part_ptr + (token * top_k + k) * hidden_size + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_apply(
+    hidden: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    block_i: int = 16,
+    block_h: int = 256,
+    block_rows: int = 16,
+) -> torch.Tensor:
+    """SiLU-gated MoE MLP reading ``w1[topk_ids]`` / ``w2[topk_ids]`` in place.
+
+    Args:
+        hidden: ``[T, H]`` tokens (fp32, fp16 or bf16), last dimension contiguous.
+        w1: ``[N, 2I, H]`` gate then up rows; each expert's matrix row-major (a slot pool's
+            views qualify: only the expert stride differs).
+        w2: ``[N, H, I]`` down projections, same index space.
+        topk_weights: ``[T, K]`` router weights.
+        topk_ids: ``[T, K]`` int32/int64 indices into ``w1``/``w2``; -1 contributes nothing.
+
+    Returns:
+        ``[T, H]`` in ``hidden``'s dtype, accumulated in fp32.
+    """
+    tokens, top_k = topk_ids.shape
+    hidden_size, inter_size = w2.shape[1], w2.shape[2]
+    _check(hidden, w1, w2, topk_weights, topk_ids)
+    device = hidden.device
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    act = torch.empty(tokens * top_k, inter_size, dtype=torch.float32, device=device)
+    part = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=device)
+    out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=device)
+    if tokens == 0:
+        return out
+    pairs = tokens * top_k
+    _gate_up_kernel[(pairs, triton.cdiv(inter_size, block_i))](
+        hidden, w1, ids, act, hidden_size, inter_size, top_k,
+        hidden.stride(0), w1.stride(0), w1.stride(1), BLOCK_I=block_i, BLOCK_H=block_h,
+    )  # fmt: skip
+    _down_kernel[(pairs, triton.cdiv(hidden_size, block_rows))](
+        act, w2, ids, weights, part, hidden_size, inter_size,
+        w2.stride(0), w2.stride(1), BLOCK_H=block_rows, BLOCK_I=block_h,
+    )  # fmt: skip
+    _sum_over_k_kernel[(tokens, triton.cdiv(hidden_size, 256))](
+        part, out, hidden_size, top_k, out.stride(0), BLOCK_H=256
+    )
+    return out
+
+
+def _check(hidden, w1, w2, topk_weights, topk_ids) -> None:
+    if not runs_on(_gate_up_kernel, hidden):
+        raise RuntimeError("moe_apply needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
+    if hidden.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError("hidden must be [T, H], w1 [N, 2I, H], w2 [N, H, I]")
+    if w1.shape[1] != 2 * w2.shape[2] or w1.shape[2] != w2.shape[1] or hidden.shape[1] != w2.shape[1]:
+        raise ValueError(f"shapes disagree: hidden {tuple(hidden.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+    if w1.stride(2) != 1 or w2.stride(2) != 1 or hidden.stride(1) != 1:
+        raise ValueError("the last dimension of hidden, w1 and w2 must be contiguous")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError("topk_ids and topk_weights must both be [T, K] with T = hidden.shape[0]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")

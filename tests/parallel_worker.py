@@ -1,0 +1,102 @@
+"""One rank of the gloo tests in `test_parallel_gloo` (a module, so that spawn can import it).
+
+Every rank draws the same random layer and the same per-step batches of all ranks from one
+seed, runs its own tokens through `ExpertParallelMoE`, and checks its rows against
+`moe_forward` of the full layer on all ranks' tokens concatenated in rank order.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import random_topk, random_weights
+
+from expertcache.parallel import (
+    ExpertParallelMoE,
+    ExpertPartition,
+    LocalExperts,
+    gather_manifests,
+    gather_stats,
+)
+from expertcache.reference import moe_forward
+
+NUM_EXPERTS, TOP_K, HIDDEN, INTER = 10, 3, 16, 8  # 4 ranks own 3,3,2,2
+CACHE_SIZE = 2  # below the experts one step can use on a rank: evictions and groups happen
+
+
+def run_rank(rank: int, world_size: int, port: int, scheme: str, steps: int, pacing: bool) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        check_rank(rank, world_size, scheme, steps, pacing)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_rank(rank: int, world_size: int, scheme: str, steps: int, pacing: bool) -> None:
+    gen = torch.Generator().manual_seed(1234)
+    partition = ExpertPartition(NUM_EXPERTS, world_size, scheme)
+    weights = random_weights(NUM_EXPERTS, HIDDEN, INTER, generator=gen)
+    local = LocalExperts.from_full_weights(weights, partition, rank, cache_size=CACHE_SIZE)
+    layer = ExpertParallelMoE(local, pacing=pacing, pacing_chunk_bytes=200)
+    other = (rank + 1) % world_size
+    if other != rank:  # experts built for another rank are refused before any collective
+        wrong = LocalExperts.from_full_weights(weights, partition, other, cache_size=CACHE_SIZE)
+        with pytest.raises(ValueError, match="built for rank"):
+            ExpertParallelMoE(wrong)
+    owners = partition.owners()
+    expected_lookups = [0] * world_size
+    for _ in range(steps):
+        # 0..3 tokens per rank: ranks differ, and now and then one (or all) have none
+        counts = torch.randint(0, 4, (world_size,), generator=gen).tolist()
+        batches = [step_batch(count, gen) for count in counts]
+        hidden, router_weights, ids = (torch.cat(parts) for parts in zip(*batches, strict=True))
+        ours = layer(*batches[rank])
+        start = sum(counts[:rank])
+        if hidden.shape[0]:
+            reference = moe_forward(hidden, weights["w1"], weights["w2"], router_weights, ids)
+            assert torch.equal(ours, reference[start : start + counts[rank]])
+        assert ours.shape == (counts[rank], HIDDEN)
+        assert layer.resident_experts() <= set(partition.local_experts(rank))
+        used = {e for e in ids.flatten().tolist() if e >= 0}
+        for r in range(world_size):
+            expected_lookups[r] += sum(1 for e in used if owners[e] == r)
+    check_summary(layer, partition, expected_lookups, pacing)
+
+
+def step_batch(count: int, gen: torch.Generator):
+    ids = random_topk(count, TOP_K, NUM_EXPERTS, generator=gen)
+    ids[torch.rand(count, generator=gen) < 0.2, 0] = -1  # dropped choices skip
+    hidden = torch.randn(count, HIDDEN, generator=gen)
+    return hidden, torch.rand(count, TOP_K, generator=gen), ids
+
+
+def check_summary(layer, partition, expected_lookups, pacing) -> None:
+    gathered = gather_stats(layer.stats)
+    assert gathered.per_rank[layer.rank] == layer.stats
+    assert [s.hits + s.misses for s in gathered.per_rank] == expected_lookups
+    assert gathered.total.misses == sum(s.misses for s in gathered.per_rank)
+    manifests = gather_manifests(layer)
+    for rank, manifest in enumerate(manifests):
+        experts = list(partition.local_experts(rank))
+        assert manifest["rank"] == rank and manifest["experts"] == experts
+        assert set(manifest["resident"]) <= set(experts)
+        assert manifest["host_bytes"] == len(experts) * manifest["record_bytes"]
+        assert manifest["gpu_bytes"] == CACHE_SIZE * manifest["record_bytes"]
+        assert manifest["stats"]["misses"] == gathered.per_rank[rank].misses
+    record_bytes = manifests[layer.rank]["record_bytes"]
+    paced = layer.pacer.stats
+    if pacing:
+        assert paced.records == layer.stats.misses
+        assert paced.chunks == layer.stats.misses * math.ceil(record_bytes / 200)
+    else:
+        assert paced.records == paced.chunks == paced.holds == 0

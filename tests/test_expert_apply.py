@@ -1,0 +1,68 @@
+"""The slot-indexed apply kernels equal the reference MoE, and slots equal full weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import devices
+from helpers import random_topk, random_weights
+
+from expertcache import CachedWeightProvider
+from expertcache.kernels import moe_apply
+from expertcache.reference import moe_forward
+
+# dtype travels with its tolerance: fp32 accumulation order differs from torch's matmul.
+DTYPES = {"cpu": (torch.float32, 1e-5), "cuda": (torch.bfloat16, 2e-2)}
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(
+    "tokens, top_k, num_experts, hidden, inter",
+    [
+        (1, 1, 1, 16, 16),  # one expert, top-1
+        (1, 8, 16, 48, 40),  # decode; H, I not multiples of the blocks
+        (3, 7, 7, 32, 24),  # K = E, prime E
+        (5, 2, 11, 300, 20),  # H spans several column blocks
+    ],
+)
+def test_moe_apply_matches_reference(device, tokens, top_k, num_experts, hidden, inter):
+    dtype, tolerance = DTYPES[device]
+    gen = torch.Generator().manual_seed(tokens + 10 * top_k)
+    w = {k: v.to(device) for k, v in random_weights(num_experts, hidden, inter, dtype=dtype, generator=gen).items()}
+    ids = random_topk(tokens, top_k, num_experts, generator=gen).to(device)
+    if top_k > 1:
+        ids[0, -1] = -1  # a skipped choice contributes nothing
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    router = torch.rand(tokens, top_k, generator=gen).to(device)
+    ours = moe_apply(x, w["w1"], w["w2"], router, ids)
+    reference = moe_forward(x.float(), w["w1"].float(), w["w2"].float(), router, ids)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours.float(), reference, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_slots_give_identical_outputs_to_full_weights(device, mode):
+    dtype = DTYPES[device][0]
+    gen = torch.Generator().manual_seed(2)
+    weights = random_weights(12, 32, 24, dtype=dtype, generator=gen)
+    full = {k: v.to(device) for k, v in weights.items()}
+    provider = CachedWeightProvider(weights, cache_size=4, device=device, mode=mode)
+    for _ in range(30):
+        ids = random_topk(1, 4, 12, generator=gen).to(device)
+        x = torch.randn(1, 32, generator=gen).to(device, dtype)
+        router = torch.rand(1, 4, generator=gen).to(device)
+        result = provider.prepare(ids)
+        assert torch.equal(
+            moe_apply(x, result.w1, result.w2, router, result.topk_ids),
+            moe_apply(x, full["w1"], full["w2"], router, ids),
+        )
+
+
+def test_moe_apply_rejects_bad_shapes():
+    w = random_weights(4, 16, 8)
+    with pytest.raises(ValueError, match="disagree"):
+        moe_apply(torch.randn(1, 8), w["w1"], w["w2"], torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="contiguous"):
+        moe_apply(torch.randn(1, 16), w["w1"].transpose(1, 2).contiguous().transpose(1, 2), w["w2"],
+                  torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.long))  # fmt: skip
