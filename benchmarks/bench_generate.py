@@ -10,21 +10,21 @@ Random weights route close to uniformly (the script prints how many distinct exp
 decode steps used against what uniform routing would use), so the hit rates here are a
 worst case: real models route with strong skew.
 
-Prints a table and appends one CSV row per run (with GPU name, versions and commit).
+Prints a table and appends one row per run, stamped with GPU name, versions and commit, to
+``benchmarks/results/bench_generate.csv``.
 
-    python benchmarks/bench_generate.py [--layers 16] [--csv benchmarks/results/bench_generate.csv]
+    python benchmarks/bench_generate.py [--layers 16]
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import torch
-from _environment import environment
+import transformers
+from _common import append_csv, environment
 
 from expertcache.integrations.transformers import enable_expert_cache
 from expertcache.integrations.transformers.generation import greedy_generate
@@ -55,9 +55,6 @@ def _arguments() -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument(
-        "--csv", type=Path, default=Path(__file__).parent / "results" / "bench_generate.csv"
-    )
     return parser.parse_args()
 
 
@@ -89,10 +86,10 @@ def main() -> None:
     model.set_experts_implementation(args.experts_implementation)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, args.vocab, (1, args.prompt_tokens), generator=generator).to(device)
-    env = environment(device)
+    env = environment()
     print(
-        f"{env['device']}; torch {env['torch']}, triton {env['triton']}, transformers "
-        f"{env['transformers']}, commit {env['commit']}"
+        f"{env['gpu']}; torch {env['torch']}, triton {env['triton']}, transformers "
+        f"{transformers.__version__}, commit {env['commit']}"
     )
     print(
         f"{args.family}: {args.layers} MoE layers x {args.experts} experts, top-{args.top_k}, "
@@ -107,9 +104,7 @@ def main() -> None:
     for fraction in args.fractions:
         cache_size = max(args.top_k, round(fraction * args.experts))
         recorder = RoutingRecorder() if fraction == args.fractions[-1] else None
-        handle = enable_expert_cache(
-            model, cache_size=cache_size, budget=args.budget, recorder=recorder
-        )
+        handle = enable_expert_cache(model, cache_size=cache_size, budget=args.budget, recorder=recorder)
         greedy_generate(model, prompt, args.warmup_tokens)
         before = handle.stats.total
         if recorder is not None:
@@ -117,15 +112,11 @@ def main() -> None:
             decode_from = recorder.trace().num_tokens + args.prompt_tokens
         run = greedy_generate(model, prompt, args.new_tokens, progress=f"cache {fraction:.0%}")
         stats = _difference(handle.stats.total, before)
-        rows.append(
-            _row(
-                f"{fraction:.0%}", cache_size, run, baseline, stats, handle.slot_bytes, expert_bytes
-            )
-        )
+        rows.append(_row(f"{fraction:.0%}", cache_size, run, baseline, stats, handle.slot_bytes, expert_bytes))
         handle.disable()
     _print(rows)
     print(_routing_spread(recorder, decode_from))
-    _append_csv(args, env, rows)
+    _append_csv(args, rows)
 
 
 def _row(label, cache_size, run, baseline, stats, device_bytes, expert_bytes) -> dict:
@@ -158,22 +149,16 @@ def _print(rows: list[dict]) -> None:
         )
 
 
-def _append_csv(args, env: dict, rows: list[dict]) -> None:
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
+def _append_csv(args, rows: list[dict]) -> None:
     setup = {
-        "family": args.family, "layers": args.layers, "experts": args.experts,
-        "top_k": args.top_k, "hidden": args.hidden, "intermediate": args.intermediate,
-        "dtype": args.dtype, "implementation": args.experts_implementation,
-        "budget": args.budget, "new_tokens": args.new_tokens,
+        "transformers": transformers.__version__, "family": args.family, "layers": args.layers,
+        "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
+        "intermediate": args.intermediate, "dtype": args.dtype,
+        "implementation": args.experts_implementation, "budget": args.budget,
+        "new_tokens": args.new_tokens,
     }  # fmt: skip
-    records = [{**env, **setup, **row} for row in rows]
-    new_file = not args.csv.exists()
-    with open(args.csv, "a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
-        if new_file:
-            writer.writeheader()
-        writer.writerows(records)
-    print(f"appended {len(records)} rows to {args.csv}")
+    path = append_csv("bench_generate", [{**setup, **row} for row in rows])
+    print(f"appended {len(rows)} rows to {path}")
 
 
 if __name__ == "__main__":

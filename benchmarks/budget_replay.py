@@ -18,7 +18,7 @@ project's loaders into `RoutingTrace` are issue 5's (``expertcache.trace.loaders
 
 Run from the repository root (CPU only, a few seconds)::
 
-    python benchmarks/budget_replay.py [--traces ../shared/traces]
+    python benchmarks/budget_replay.py [--traces DIR]   (default: $EXPERTCACHE_TRACES, ../shared/traces)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from _common import traces_dir
 
 from expertcache.chunking import split_to_capacity
 from expertcache.slot_table import SlotTable
@@ -50,9 +51,7 @@ def mixtral_raw(path: Path) -> list[Forward]:
     records = _records(path)
     prefill: dict[int, list] = collections.defaultdict(list)
     index = 0
-    while index < len(records) and (
-        index == 0 or records[index]["layer"] >= records[index - 1]["layer"]
-    ):
+    while index < len(records) and (index == 0 or records[index]["layer"] >= records[index - 1]["layer"]):
         prefill[records[index]["layer"]].append(records[index]["experts"])
         index += 1
     forwards = [[(layer, np.array(rows)) for layer, rows in sorted(prefill.items())]]
@@ -68,9 +67,7 @@ def mixtral_raw(path: Path) -> list[Forward]:
 def mixtral_decode_only(path: Path) -> list[Forward]:
     """Decode steps of each problem in turn; layers paired by their own token index."""
     sequences: dict[tuple[int, int], list] = collections.defaultdict(list)
-    for record in sorted(
-        _records(path), key=lambda r: (r["problem_id"], r["layer"], r["token_idx"])
-    ):
+    for record in sorted(_records(path), key=lambda r: (r["problem_id"], r["layer"], r["token_idx"])):
         sequences[(record["problem_id"], record["layer"])].append(record["experts"])
     forwards = []
     for problem in sorted({p for p, _ in sequences}):
@@ -130,30 +127,23 @@ def workloads(root: Path) -> list[tuple[str, int, list[list[Forward]]]]:
     found = []
     mixtral = root / MIXTRAL
     if (mixtral / "routing_raw.jsonl").exists():
-        found.append(
-            ("mixtral raw (prefill+decode)", 8, [mixtral_raw(mixtral / "routing_raw.jsonl")])
-        )
+        found.append(("mixtral raw (prefill+decode)", 8, [mixtral_raw(mixtral / "routing_raw.jsonl")]))
     decode = [mixtral / name for name in ("humaneval_2_routing.jsonl", "gsm8k_2_routing.jsonl")]
     if all(path.exists() for path in decode):
         found.append(("mixtral decode-only x2", 8, [mixtral_decode_only(path) for path in decode]))
     windows = sorted((root / QWEN3).glob("window_*.jsonl"))
     if windows:
-        found.append(
-            (f"qwen3-30b-a3b {len(windows)} windows", 128, [qwen3_window(p) for p in windows])
-        )
+        found.append((f"qwen3-30b-a3b {len(windows)} windows", 128, [qwen3_window(p) for p in windows]))
     return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = Path(__file__).resolve().parents[2] / "shared" / "traces"
-    parser.add_argument("--traces", type=Path, default=default, help=f"default {default}")
+    parser.add_argument("--traces", type=Path, default=None, help="default: benchmarks/_common.traces_dir()")
     args = parser.parse_args()
+    args.traces = args.traces or traces_dir()
     print("misses = experts copied host -> GPU (lower is better); hit = hits / lookups")
-    header = (
-        f"{'trace':<30} {'slots/layer':>11} {'budget':>9} {'hit':>6} {'misses':>7} "
-        f"{'prefill':>8} {'decode':>7}"
-    )
+    header = f"{'trace':<30} {'slots/layer':>11} {'budget':>9} {'hit':>6} {'misses':>7} {'prefill':>8} {'decode':>7}"
     print(header)
     print("-" * len(header))
     for name, num_experts, streams in workloads(args.traces):

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _environment import environment
+import transformers
+from _common import environment
 
 from expertcache.config import BUDGETS
 from expertcache.integrations.transformers import enable_expert_cache
@@ -64,9 +65,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     device = torch.device(parser.parse_args().device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    env = environment(device)
+    env = environment()
     print(
-        f"{env['device']}; torch {env['torch']}, transformers {env['transformers']}, commit "
+        f"{env['gpu']}; torch {env['torch']}, transformers {transformers.__version__}, commit "
         f"{env['commit']}; {str(dtype).removeprefix('torch.')}, {NEW_TOKENS} new tokens, "
         f"cache {CACHE_SIZE} of {SIZES.num_experts} experts per layer"
     )

@@ -60,9 +60,7 @@ class ExpertCacheConfig:
         if not isinstance(self.cache_size, int) or isinstance(self.cache_size, bool):
             raise TypeError(f"cache_size must be an int, got {type(self.cache_size).__name__}")
         if self.cache_size < 1:
-            raise ValueError(
-                f"cache_size (slots per MoE layer) must be at least 1, got {self.cache_size}"
-            )
+            raise ValueError(f"cache_size (slots per MoE layer) must be at least 1, got {self.cache_size}")
         if not isinstance(self.policy, str) or self.policy.lower() not in POLICIES:
             known = ", ".join(sorted(POLICIES))
             raise ValueError(f"unknown eviction policy {self.policy!r}; known policies: {known}")

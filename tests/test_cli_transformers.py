@@ -93,9 +93,7 @@ def _generate_error(argv, capsys) -> str:
 
 
 def test_generate_missing_directory(tmp_path, capsys):
-    err = _generate_error(
-        ["--model", str(tmp_path / "nowhere"), "--moe-expert-cache-size", "4"], capsys
-    )
+    err = _generate_error(["--model", str(tmp_path / "nowhere"), "--moe-expert-cache-size", "4"], capsys)
     assert "no such directory" in err
 
 
@@ -128,9 +126,7 @@ def test_generate_model_without_moe_layers(tmp_path, capsys):
 
 @pytest.mark.parametrize("text", ["hello", "1 2 999999"])
 def test_generate_prompt_without_tokenizer_must_be_ids(checkpoint, text, capsys):
-    err = _generate_error(
-        ["--model", str(checkpoint), "--moe-expert-cache-size", "4", "--prompt", text], capsys
-    )
+    err = _generate_error(["--model", str(checkpoint), "--moe-expert-cache-size", "4", "--prompt", text], capsys)
     assert "token ids" in err
 
 
@@ -138,9 +134,7 @@ def test_demo_runs_identical_and_round_trips_its_trace(capsys, tmp_path):
     from expertcache.demo import run_demo
 
     sizes = ModelSizes(num_moe_layers=2, num_experts=8, top_k=2, hidden=TINY.hidden)
-    rows = run_demo(
-        device="cpu", new_tokens=4, prompt_tokens=6, sizes=sizes, trace_path=tmp_path / "t.npz"
-    )
+    rows = run_demo(device="cpu", new_tokens=4, prompt_tokens=6, sizes=sizes, trace_path=tmp_path / "t.npz")
     out = capsys.readouterr().out
     assert len(rows) == 5 and all(row.identical for row in rows)
     assert "9 tokens x 2 layers x top-2" in out and "read back: identical" in out

@@ -132,9 +132,7 @@ def _router_choices(model):
     the recorder): ``[(layer name, [T, K] ids)]`` in call order."""
     calls = []
     hooks = [
-        module.register_forward_pre_hook(
-            lambda _, args, name=name: calls.append((name, args[1].clone()))
-        )
+        module.register_forward_pre_hook(lambda _, args, name=name: calls.append((name, args[1].clone())))
         for name, module in model.named_modules()
         if name.endswith(".experts")
     ]

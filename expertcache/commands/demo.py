@@ -23,9 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"),
         help="model family to build (default: qwen3_moe)",
     )
-    parser.add_argument(
-        "--new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)"
-    )
+    parser.add_argument("--new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
     parser.add_argument(
         "--save-trace",
         type=Path,

@@ -100,8 +100,7 @@ def _prompt_ids(prompt, tokenizer, model_config, parser):
         ids = [int(part) for part in text.replace(",", " ").split()]
     except ValueError:
         parser.error(
-            f"the model directory has no tokenizer, so --prompt must be token ids such as "
-            f"'1 2 3', got {text!r}"
+            f"the model directory has no tokenizer, so --prompt must be token ids such as '1 2 3', got {text!r}"
         )
     vocab = int(model_config.vocab_size)
     if not ids or not all(0 <= i < vocab for i in ids):
@@ -117,9 +116,7 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     from expertcache.trace import RoutingRecorder
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
-    recorder = (
-        RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
-    )
+    recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
     handle = enable_expert_cache(model, config, recorder=recorder)
     assert handle is not None  # config is not None
     model.to(device)  # everything but the experts, which now live in the store and the slots
@@ -134,9 +131,7 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
         f"expert bytes on device {handle.slot_bytes / 1e6:.1f} MB vs "
         f"{handle.expert_bytes / 1e6:.1f} MB fully resident"
     )
-    run = greedy_generate(
-        model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="generate"
-    )
+    run = greedy_generate(model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="generate")
     _print_output(run, input_ids, tokenizer)
     stats = handle.stats.total
     print(
@@ -153,9 +148,7 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
         return 0
     handle.disable()
     model.to(device)
-    resident = greedy_generate(
-        model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="no cache"
-    )
+    resident = greedy_generate(model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="no cache")
     same = bool(torch.equal(resident.tokens, run.tokens))
     print(f"without the cache: {'identical tokens' if same else 'DIFFERENT tokens'}")
     return 0 if same else 1

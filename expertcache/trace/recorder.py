@@ -43,9 +43,7 @@ class RoutingRecorder:
         model: str = "",
         source: str = "recorded by expertcache",
     ) -> None:
-        self.layers: tuple[int, ...] | None = (
-            None if layers is None else tuple(int(i) for i in layers)
-        )
+        self.layers: tuple[int, ...] | None = None if layers is None else tuple(int(i) for i in layers)
         self.num_experts = num_experts
         self.model = model
         self.source = source
@@ -58,13 +56,9 @@ class RoutingRecorder:
         """Fill in what the integration knows about the model (checked if already set)."""
         layers = tuple(int(i) for i in layers)
         if self.layers is not None and self.layers != layers:
-            raise ValueError(
-                f"recorder was set up for layers {self.layers}, the model has {layers}"
-            )
+            raise ValueError(f"recorder was set up for layers {self.layers}, the model has {layers}")
         if self.num_experts is not None and self.num_experts != num_experts:
-            raise ValueError(
-                f"recorder expects {self.num_experts} experts, the model has {num_experts}"
-            )
+            raise ValueError(f"recorder expects {self.num_experts} experts, the model has {num_experts}")
         self.layers, self.num_experts = layers, num_experts
         self.model = self.model or model
 
@@ -88,11 +82,7 @@ class RoutingRecorder:
         """
         if self.layers is None or layer not in self.layers:
             raise ValueError(f"layer {layer} is not one of the recorder's layers {self.layers}")
-        ids = (
-            topk_ids.detach().cpu().numpy()
-            if isinstance(topk_ids, torch.Tensor)
-            else np.asarray(topk_ids)
-        )
+        ids = topk_ids.detach().cpu().numpy() if isinstance(topk_ids, torch.Tensor) else np.asarray(topk_ids)
         ids = ids.reshape(-1, ids.shape[-1])
         if ids.size and (ids.min() < -1 or ids.max() > _INT16_MAX):
             raise ValueError(f"expert ids must be in [-1, {_INT16_MAX}] to be stored as int16")
@@ -103,8 +93,7 @@ class RoutingRecorder:
         tokens = {other.shape[0] for other in self._current.values()}
         if tokens and tokens != {ids.shape[0]}:
             raise ValueError(
-                f"layer {layer} routed {ids.shape[0]} tokens, the other layers of this forward "
-                f"pass {tokens.pop()}"
+                f"layer {layer} routed {ids.shape[0]} tokens, the other layers of this forward pass {tokens.pop()}"
             )
         self._top_k = ids.shape[1]
         self._current[layer] = ids.astype(np.int16)
@@ -124,9 +113,7 @@ class RoutingRecorder:
             blocks.append(block)
             total += block.shape[0]
         top_k = blocks[0].shape[2] if blocks else 0
-        expert_ids = (
-            np.concatenate(blocks) if blocks else np.zeros((0, len(self.layers), top_k), np.int16)
-        )
+        expert_ids = np.concatenate(blocks) if blocks else np.zeros((0, len(self.layers), top_k), np.int16)
         requests = sorted({forward_token[f] for f in self._request_forwards if f < len(forwards)})
         return RoutingTrace(
             expert_ids=expert_ids,

@@ -118,9 +118,7 @@ def find_expert_blocks(model: nn.Module) -> list[ExpertBlock]:
 
 
 def _looks_like_experts(name: str, module: nn.Module, parameters: dict) -> bool:
-    stacked = "down_proj" in parameters and (
-        "gate_up_proj" in parameters or "up_proj" in parameters
-    )
+    stacked = "down_proj" in parameters and ("gate_up_proj" in parameters or "up_proj" in parameters)
     named = name.rsplit(".", 1)[-1] == "experts" or type(module).__name__.endswith("Experts")
     return stacked or named
 
@@ -136,16 +134,12 @@ def _unsupported_reason(module: nn.Module, parameters: dict[str, torch.Tensor]) 
         return "does not dispatch through transformers' @use_experts_implementation registry"
     buffers = [buffer_name for buffer_name, _ in module.named_buffers(recurse=False)]
     if buffers:
-        return (
-            f"holds buffers {buffers} beside its expert parameters, which the cache does not move"
-        )
+        return f"holds buffers {buffers} beside its expert parameters, which the cache does not move"
     num_experts = gate_up.shape[0]
     for parameter_name, parameter in parameters.items():
         if parameter.dim() == 0 or parameter.shape[0] != num_experts:
             shape = tuple(parameter.shape)
-            return (
-                f"holds {parameter_name} {shape}, which is not one row per expert ({num_experts})"
-            )
+            return f"holds {parameter_name} {shape}, which is not one row per expert ({num_experts})"
     return None
 
 

@@ -135,10 +135,7 @@ def expertcache_experts_forward(
         # tokens in pieces that fit. Each token's output depends only on its own row.
         ids = top_k_index.reshape(-1, top_k_index.shape[-1])
         pieces = split_to_capacity(ids.cpu().numpy(), binding.provider.pool.num_slots)
-        outputs = [
-            _run(binding, self, hidden_states[piece], ids[piece], top_k_weights[piece])
-            for piece in pieces
-        ]
+        outputs = [_run(binding, self, hidden_states[piece], ids[piece], top_k_weights[piece]) for piece in pieces]
         return torch.cat(outputs)
 
 

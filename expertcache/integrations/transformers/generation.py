@@ -68,9 +68,7 @@ def greedy_generate(
     device = input_ids.device
     streamer = None
     if progress is not None and input_ids.shape[0] == 1:
-        streamer = _TokenProgress(
-            tqdm(total=max_new_tokens, desc=progress, unit="tok", leave=False)
-        )
+        streamer = _TokenProgress(tqdm(total=max_new_tokens, desc=progress, unit="tok", leave=False))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -72,9 +72,7 @@ class ExpertCacheHandle:
         recorder: the `RoutingRecorder` fed by every MoE layer, or None.
     """
 
-    def __init__(
-        self, config: ExpertCacheConfig, served: list[_Served], recorder: RoutingRecorder | None
-    ) -> None:
+    def __init__(self, config: ExpertCacheConfig, served: list[_Served], recorder: RoutingRecorder | None) -> None:
         self.config = config
         self.recorder = recorder
         self._served = served
@@ -239,31 +237,18 @@ def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
     return blocks
 
 
-def _resolve_config(
-    config, cache_size, policy, budget, device, pin_budget_bytes
-) -> ExpertCacheConfig:
+def _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes) -> ExpertCacheConfig:
     if config is not _UNSET:
         if not isinstance(config, ExpertCacheConfig):
-            raise TypeError(
-                f"config must be an ExpertCacheConfig or None, got {type(config).__name__}"
-            )
-        if (
-            cache_size is not None
-            or budget is not None
-            or device is not None
-            or pin_budget_bytes is not None
-        ):
+            raise TypeError(f"config must be an ExpertCacheConfig or None, got {type(config).__name__}")
+        if cache_size is not None or budget is not None or device is not None or pin_budget_bytes is not None:
             raise TypeError("give either config or the keyword settings, not both")
         return config
     if cache_size is None:
-        raise TypeError(
-            "enable_expert_cache needs cache_size (GPU slots per MoE layer) or a config"
-        )
+        raise TypeError("enable_expert_cache needs cache_size (GPU slots per MoE layer) or a config")
     extra = {"budget": budget} if budget is not None else {}
     device_name = None if device is None else str(device)
-    return ExpertCacheConfig(
-        cache_size, policy, pin_budget_bytes=pin_budget_bytes, device=device_name, **extra
-    )
+    return ExpertCacheConfig(cache_size, policy, pin_budget_bytes=pin_budget_bytes, device=device_name, **extra)
 
 
 def _check_not_meta(model: nn.Module, blocks: list[ExpertBlock]) -> None:
@@ -282,9 +267,7 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> dispatch.E
     interface = experts_interface_of(block.module) or ALL_EXPERTS_FUNCTIONS
     if dispatch.IMPLEMENTATION_NAME not in interface:
         reason = "dispatches through an experts registry that the cache is not registered in"
-        raise UnsupportedModelError(
-            model_family(model), [(block.name, type(block.module).__name__, reason)]
-        )
+        raise UnsupportedModelError(model_family(model), [(block.name, type(block.module).__name__, reason)])
     previous = getattr(block.module, "config")._experts_implementation or "eager"  # noqa: B009
     if previous == dispatch.IMPLEMENTATION_NAME:
         raise RuntimeError(f"{block.name} already selects the {previous!r} experts implementation")
@@ -293,23 +276,15 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> dispatch.E
 
 
 def _weights(block: ExpertBlock) -> dict[str, torch.Tensor]:
-    return {
-        block.cache_name(name): block.module.get_parameter(name).detach()
-        for name in block.parameter_names
-    }
+    return {block.cache_name(name): block.module.get_parameter(name).detach() for name in block.parameter_names}
 
 
 def _layout(block: ExpertBlock) -> RecordLayout:
     return layout_from_weights(_weights(block))[1]
 
 
-def _check_pin_budget(
-    blocks: list[ExpertBlock], layouts: list[RecordLayout], budget: int | None
-) -> None:
-    needed = sum(
-        block.num_experts * layout.record_bytes
-        for block, layout in zip(blocks, layouts, strict=True)
-    )
+def _check_pin_budget(blocks: list[ExpertBlock], layouts: list[RecordLayout], budget: int | None) -> None:
+    needed = sum(block.num_experts * layout.record_bytes for block, layout in zip(blocks, layouts, strict=True))
     if budget is not None and needed > budget:
         raise PinBudgetError(needed, budget)
 
@@ -321,16 +296,12 @@ def _shared_pool(blocks, layouts, config: ExpertCacheConfig, target: torch.devic
                 f"budget 'global' needs every MoE layer's experts to have the same shapes, but "
                 f"{block.name} differs from {blocks[0].name}; use budget 'per-layer'"
             )
-    return SlotPool(
-        layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy
-    )
+    return SlotPool(layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy)
 
 
 def _provider(block, config: ExpertCacheConfig, target, pool) -> CachedWeightProvider:
     if pool is None:
-        return CachedWeightProvider(
-            _weights(block), cache_size=config.cache_size, device=target, policy=config.policy
-        )
+        return CachedWeightProvider(_weights(block), cache_size=config.cache_size, device=target, policy=config.policy)
     return CachedWeightProvider(_weights(block), pool=pool, layer=block.name)
 
 

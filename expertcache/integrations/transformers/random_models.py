@@ -80,9 +80,7 @@ def _qwen3_moe(s: ModelSizes):
     from transformers import Qwen3MoeConfig
 
     undeclared: dict[str, Any] = {"head_dim": s.head_dim}  # not a field; the model reads it
-    return Qwen3MoeConfig(
-        **_common(s), moe_intermediate_size=s.intermediate, num_experts=s.num_experts, **undeclared
-    )
+    return Qwen3MoeConfig(**_common(s), moe_intermediate_size=s.intermediate, num_experts=s.num_experts, **undeclared)
 
 
 def _olmoe(s: ModelSizes):
