@@ -72,18 +72,16 @@ class ExpertCacheHandle:
         recorder: the `RoutingRecorder` fed by every MoE layer, or None.
     """
 
-    def __init__(self, config: ExpertCacheConfig, served: list[_Served], recorder: RoutingRecorder | None) -> None:
+    def __init__(
+        self, config: ExpertCacheConfig, served: list[_Served], recorder: RoutingRecorder | None, expert_bytes: int
+    ) -> None:
         self.config = config
         self.recorder = recorder
         self._served = served
         self._layers = tuple(item.block.name for item in served)
         self._configs: dict[int, tuple[object, object]] = {}
         self._final_stats: ExpertCacheStats | None = None
-        self._expert_bytes = sum(
-            block.module.get_parameter(name).nbytes
-            for block in (item.block for item in served)
-            for name in block.parameter_names
-        )
+        self._expert_bytes = expert_bytes
 
     @property
     def enabled(self) -> bool:
@@ -190,18 +188,16 @@ def enable_expert_cache(
     layouts = [_layout(block) for block in blocks]
     _check_pin_budget(blocks, layouts, config.pin_budget_bytes)
     pool = _shared_pool(blocks, layouts, config, target) if config.budget == "global" else None
-    served = [
-        _Served(block, _provider(block, config, target, pool)) for block in blocks
-    ]  # every weight copied before any module changes: a failure leaves the model as it was
     if recorder is not None:
         recorder.describe(
             layers=[block.layer for block in blocks],
             num_experts=max(block.num_experts for block in blocks),
             model=model_family(model),
         )
-    handle = ExpertCacheHandle(config, served, recorder)
+    expert_bytes = sum(block.module.get_parameter(name).nbytes for block in blocks for name in block.parameter_names)
+    served = _serve(blocks, config, target, pool)
+    handle = ExpertCacheHandle(config, served, recorder, expert_bytes)
     for item in served:
-        _take_weights(item)
         dispatch.bind(item.block.module, _binding(item, inner[item.block.name], recorder))
     for block in blocks:
         block_config = getattr(block.module, "config")  # noqa: B009 - set by the decorator
@@ -210,6 +206,21 @@ def enable_expert_cache(
             handle._configs[id(block_config)] = (block_config, previous)
             _set_experts_implementation(block_config, dispatch.IMPLEMENTATION_NAME)
     return handle
+
+
+def _serve(blocks: list[ExpertBlock], config: ExpertCacheConfig, target: torch.device, pool) -> list[_Served]:
+    """Copy each block's experts into its provider and free them, one block at a time (the
+    host never holds more than one extra block); on any failure put back what was taken."""
+    served: list[_Served] = []
+    try:
+        for block in blocks:
+            served.append(_Served(block, _provider(block, config, target, pool)))
+            _take_weights(served[-1])
+    except BaseException:
+        for item in served:
+            _restore(item)
+        raise
+    return served
 
 
 def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
