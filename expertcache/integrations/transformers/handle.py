@@ -11,7 +11,7 @@ reports statistics and ``disable()`` puts the original weights back.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
@@ -19,7 +19,6 @@ from torch import nn
 
 from expertcache.cached_provider import CachedWeightProvider
 from expertcache.config import ExpertCacheConfig
-from expertcache.errors import PinBudgetError
 from expertcache.integrations.transformers import dispatch
 from expertcache.integrations.transformers.discovery import (
     ExpertBlock,
@@ -28,8 +27,14 @@ from expertcache.integrations.transformers.discovery import (
     find_expert_blocks,
     model_family,
 )
-from expertcache.layout import RecordLayout, layout_from_weights
-from expertcache.slot_pool import SlotPool
+from expertcache.integrations.transformers.serving import (
+    ServedBlock,
+    block_layout,
+    check_pin_budget,
+    restore_block,
+    serve_blocks,
+    shared_pool,
+)
 from expertcache.stats import CacheStats
 from expertcache.trace.recorder import RoutingRecorder
 from expertcache.validation import resolve_device
@@ -50,20 +55,6 @@ class ExpertCacheStats:
     total: CacheStats
 
 
-@dataclass
-class _SavedParameter:
-    parameter: nn.Parameter
-    shape: torch.Size
-    dtype: torch.dtype
-
-
-@dataclass
-class _Served:
-    block: ExpertBlock
-    provider: CachedWeightProvider
-    saved: dict[str, _SavedParameter] = field(default_factory=dict)
-
-
 class ExpertCacheHandle:
     """A model whose expert blocks are served by the cache (returned by `enable_expert_cache`).
 
@@ -73,7 +64,7 @@ class ExpertCacheHandle:
     """
 
     def __init__(
-        self, config: ExpertCacheConfig, served: list[_Served], recorder: RoutingRecorder | None, expert_bytes: int
+        self, config: ExpertCacheConfig, served: list[ServedBlock], recorder: RoutingRecorder | None, expert_bytes: int
     ) -> None:
         self.config = config
         self.recorder = recorder
@@ -132,7 +123,7 @@ class ExpertCacheHandle:
             _set_experts_implementation(config, previous)
         for item in self._served:
             dispatch.unbind(item.block.module)
-            _restore(item)
+            restore_block(item)
         self._served = []  # drops the providers: the slots and the pinned store are freed
         self._final_stats = final
 
@@ -185,9 +176,9 @@ def enable_expert_cache(
     _check_not_meta(model, blocks)
     target = resolve_device(config.device or blocks[0].module.get_parameter("gate_up_proj").device)
     inner = {block.name: _previous_implementation(model, block) for block in blocks}
-    layouts = [_layout(block) for block in blocks]
-    _check_pin_budget(blocks, layouts, config.pin_budget_bytes)
-    pool = _shared_pool(blocks, layouts, config, target) if config.budget == "global" else None
+    layouts = [block_layout(block) for block in blocks]
+    check_pin_budget(blocks, layouts, config.pin_budget_bytes)
+    pool = shared_pool(blocks, layouts, config, target) if config.budget == "global" else None
     if recorder is not None:
         recorder.describe(
             layers=[block.layer for block in blocks],
@@ -195,7 +186,7 @@ def enable_expert_cache(
             model=model_family(model),
         )
     expert_bytes = sum(block.module.get_parameter(name).nbytes for block in blocks for name in block.parameter_names)
-    served = _serve(blocks, config, target, pool)
+    served = serve_blocks(blocks, config, target, pool)
     handle = ExpertCacheHandle(config, served, recorder, expert_bytes)
     for item in served:
         dispatch.bind(item.block.module, _binding(item, inner[item.block.name], recorder))
@@ -206,21 +197,6 @@ def enable_expert_cache(
             handle._configs[id(block_config)] = (block_config, previous)
             _set_experts_implementation(block_config, dispatch.IMPLEMENTATION_NAME)
     return handle
-
-
-def _serve(blocks: list[ExpertBlock], config: ExpertCacheConfig, target: torch.device, pool) -> list[_Served]:
-    """Copy each block's experts into its provider and free them, one block at a time (the
-    host never holds more than one extra block); on any failure put back what was taken."""
-    served: list[_Served] = []
-    try:
-        for block in blocks:
-            served.append(_Served(block, _provider(block, config, target, pool)))
-            _take_weights(served[-1])
-    except BaseException:
-        for item in served:
-            _restore(item)
-        raise
-    return served
 
 
 def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
@@ -286,57 +262,10 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> dispatch.E
     return interface.get_interface(str(previous), original_forward)
 
 
-def _weights(block: ExpertBlock) -> dict[str, torch.Tensor]:
-    return {block.cache_name(name): block.module.get_parameter(name).detach() for name in block.parameter_names}
-
-
-def _layout(block: ExpertBlock) -> RecordLayout:
-    return layout_from_weights(_weights(block))[1]
-
-
-def _check_pin_budget(blocks: list[ExpertBlock], layouts: list[RecordLayout], budget: int | None) -> None:
-    needed = sum(block.num_experts * layout.record_bytes for block, layout in zip(blocks, layouts, strict=True))
-    if budget is not None and needed > budget:
-        raise PinBudgetError(needed, budget)
-
-
-def _shared_pool(blocks, layouts, config: ExpertCacheConfig, target: torch.device) -> SlotPool:
-    for block, layout in zip(blocks[1:], layouts[1:], strict=True):
-        if layout.specs != layouts[0].specs:
-            raise ValueError(
-                f"budget 'global' needs every MoE layer's experts to have the same shapes, but "
-                f"{block.name} differs from {blocks[0].name}; use budget 'per-layer'"
-            )
-    return SlotPool(layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy)
-
-
-def _provider(block, config: ExpertCacheConfig, target, pool) -> CachedWeightProvider:
-    if pool is None:
-        return CachedWeightProvider(_weights(block), cache_size=config.cache_size, device=target, policy=config.policy)
-    return CachedWeightProvider(_weights(block), pool=pool, layer=block.name)
-
-
-def _binding(item: _Served, inner, recorder) -> dispatch.Binding:
+def _binding(item: ServedBlock, inner, recorder) -> dispatch.Binding:
     block = item.block
     parameter_of = {block.cache_name(name): name for name in block.parameter_names}
     return dispatch.Binding(item.provider, inner, parameter_of, block.layer, recorder)
-
-
-def _take_weights(item: _Served) -> None:
-    for name in item.block.parameter_names:
-        parameter = item.block.module.get_parameter(name)
-        item.saved[name] = _SavedParameter(parameter, parameter.shape, parameter.dtype)
-        # An empty placeholder on the same device: the memory is freed, model.to() still
-        # moves it, and any read that bypasses the cache fails loudly instead of silently.
-        parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
-
-
-def _restore(item: _Served) -> None:
-    stored = item.provider.store.tensors
-    for name, saved in item.saved.items():
-        source = stored[item.block.cache_name(name)]
-        weights = torch.empty(saved.shape, dtype=saved.dtype, device=saved.parameter.device)
-        saved.parameter.data = weights.copy_(source)
 
 
 def _set_experts_implementation(config: object, name: object) -> None:
