@@ -59,3 +59,17 @@ def test_demo_on_the_gpu_is_identical(tmp_path):
     rows = run_demo(device="cuda", new_tokens=8, sizes=TINY, trace_path=tmp_path / "t.npz")
     assert all(row.identical for row in rows)
     assert all(row.run.peak_bytes for row in rows)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager", "batched_mm"])
+def test_every_experts_implementation_on_the_gpu(implementation):
+    """transformers' CUDA kernels accept the slot buffers' strides (records of 256-byte multiples)."""
+    model = tiny_model("gpt_oss", dtype=torch.bfloat16, device="cuda")
+    model.set_experts_implementation(implementation)
+    tokens = prompt(device="cuda")
+    reference = logits_of(model, tokens)
+    handle = enable_expert_cache(model, cache_size=4, budget="global")
+    cached = logits_of(model, tokens)
+    handle.disable()
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(cached, reference, rtol=0, atol=2e-2 * scale)
