@@ -13,6 +13,7 @@ from transformers_helpers import TINY, tiny_model
 from expertcache.cli import add_cache_arguments, cache_config_from_args, main
 from expertcache.config import DEFAULT_BUDGET, ExpertCacheConfig, parse_byte_size
 from expertcache.integrations.transformers.random_models import ModelSizes
+from expertcache.trace import RoutingTrace
 
 
 def _engine_parser() -> argparse.ArgumentParser:
@@ -82,7 +83,9 @@ def test_generate_on_a_saved_checkpoint(checkpoint, capsys, tmp_path):
     assert "2 MoE layers x 8 experts, top-2" in out
     assert "8 new tokens" in out and "hit rate" in out
     assert "without the cache: identical tokens" in out
-    assert "routing trace: 11 tokens x 2 layers" in out and trace_file.exists()
+    assert "routing trace: 11 tokens x 2 layers" in out
+    trace = RoutingTrace.load(trace_file)
+    assert trace.request_starts.tolist() == [0] and trace.forward_starts.tolist() == [0, *range(4, 11)]
 
 
 def _generate_error(argv, capsys) -> str:

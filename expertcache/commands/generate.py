@@ -131,6 +131,8 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
         f"expert bytes on device {handle.slot_bytes / 1e6:.1f} MB vs "
         f"{handle.expert_bytes / 1e6:.1f} MB fully resident"
     )
+    if recorder is not None:
+        recorder.begin_request()
     run = greedy_generate(model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="generate")
     _print_output(run, input_ids, tokenizer)
     stats = handle.stats.total
