@@ -30,13 +30,16 @@ def environment() -> dict[str, str]:
     """GPU name, versions and commit, stamped on every CSV row."""
     commit = os.environ.get("EXPERTCACHE_COMMIT", "")
     try:
-        commit = commit or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            check=True,
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                check=True,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         commit = os.environ.get("EXPERTCACHE_COMMIT", "unknown")
     return {

@@ -38,8 +38,14 @@ from expertcache.slot_pool import SlotPool  # noqa: E402
 from expertcache.stats import CacheStats  # noqa: E402
 from expertcache.store import CPUBackingStore  # noqa: E402
 
-QWEN3 = dict(name="Qwen3-30B-A3B", hidden=2048, inter=768, experts=128, top_k=8,
-             trace="qwen3-30b-a3b-instruct-2507__local-moe-inference-stack")  # fmt: skip
+QWEN3_TRACE = "qwen3-30b-a3b-instruct-2507__local-moe-inference-stack"
+SHAPES = {
+    # bf16, routing: the Qwen3-30B-A3B trace, layer l = trace layer l
+    "qwen3-30b-a3b": dict(name="Qwen3-30B-A3B", hidden=2048, inter=768, experts=128, top_k=8, layers=12),
+    # fp8 e4m3 with 128x128 block scales (44 MB per expert); no DeepSeek trace exists here, so
+    # layer l's top-8 = the first 4 ids of trace layers 2l (experts 0-127) and 2l+1 (128-255)
+    "deepseek-v3": dict(name="DeepSeek-V3 fp8", hidden=7168, inter=2048, experts=256, top_k=8, layers=4),
+}
 
 
 def qwen3_routing(folder: Path, layers: int) -> np.ndarray:
@@ -52,6 +58,35 @@ def qwen3_routing(folder: Path, layers: int) -> np.ndarray:
             per_token.setdefault((record["prompt_id"], record["token_pos"]), []).append(record["experts"])
         tokens.extend(ids[:layers] for ids in per_token.values())
     return np.asarray(tokens, dtype=np.int64)
+
+
+def shape_routing(key: str, layers: int) -> np.ndarray:
+    """``[N, layers, 8]`` routing for a shape, replayed from the real Qwen3 trace."""
+    if key == "qwen3-30b-a3b":
+        return qwen3_routing(traces_dir() / QWEN3_TRACE, layers)
+    qwen = qwen3_routing(traces_dir() / QWEN3_TRACE, 2 * layers)
+    return np.concatenate([qwen[:, 0::2, :4], 128 + qwen[:, 1::2, :4]], axis=2)
+
+
+def shape_weights(key: str, shape: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One layer's random expert weights on the GPU, in the shape's format."""
+    E, H, inter = shape["experts"], shape["hidden"], shape["inter"]
+    if key == "qwen3-30b-a3b":
+        return {
+            "w1": torch.randn(E, 2 * inter, H, device="cuda", generator=gen, dtype=torch.bfloat16) * H**-0.5,
+            "w2": torch.randn(E, H, inter, device="cuda", generator=gen, dtype=torch.bfloat16) * inter**-0.5,
+        }
+    weights = {"w1": (E, 2 * inter, H), "w2": (E, H, inter)}
+    out = {}
+    for name, size in weights.items():
+        tensor = torch.empty(size, dtype=torch.float8_e4m3fn, device="cuda")
+        for start in range(0, E, 16):  # bf16 staging in chunks, not all at once
+            chunk = tensor[start : start + 16]
+            chunk.copy_(torch.randn(chunk.shape, device="cuda", generator=gen, dtype=torch.bfloat16))
+        out[name] = tensor
+        blocks = (E, -(-size[1] // 128), -(-size[2] // 128))
+        out[f"{name}_scale"] = (torch.rand(blocks, device="cuda", generator=gen) + 0.5) * size[2] ** -0.5
+    return out
 
 
 def total_stats(providers) -> CacheStats:
@@ -121,39 +156,56 @@ def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
 def make_cached(kind: str, store: CPUBackingStore, slots: int, top_k: int):
     if kind == "flashlib":
         return FlashlibLRUProvider(store, slots, top_k)
-    return CachedWeightProvider(store, cache_size=slots, mode=kind)
+    provider = CachedWeightProvider(store, cache_size=slots, mode=kind.split("-")[0])
+    if kind == "device-unfused":
+        provider.pool.fused_copy = False  # type: ignore[attr-defined]
+    return provider
+
+
+def bench_admission(store: CPUBackingStore, top_k: int, skip_flashlib: bool) -> list[dict]:
+    """Per-call cost of admission (+ copy launch) at 100% hits, 100 calls in one CUDA graph."""
+    rows = []
+    ids = torch.arange(top_k, device="cuda").reshape(1, top_k)
+    kinds = ["device", "device-unfused"] + ([] if skip_flashlib else ["flashlib"])
+    for kind in kinds:
+        provider = make_cached(kind, store, 4 * top_k, top_k)
+        provider.prepare(ids)  # compile and make the experts resident
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(100):
+                provider.prepare(ids)
+        us = cuda_time_ms(graph.replay, repeats=20) * 10  # ms per 100 calls -> us per call
+        rows.append({"admission": kind, "us_per_call_in_graph": us, "hit_rate": provider.stats.hit_rate})
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=None, help="default: the shape's (12 or 4)")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     parser.add_argument("--streaming-steps", type=int, default=8)
     parser.add_argument("--skip-flashlib", action="store_true")
     args = parser.parse_args()
-    shape = QWEN3
-    E, H, inter, L = shape["experts"], shape["hidden"], shape["inter"], args.layers
-    routing = torch.from_numpy(qwen3_routing(traces_dir() / shape["trace"], L)).cuda()[:, :, None, :]  # [N, L, 1, K]
+    shape = SHAPES[args.shape]
+    E, H, L = shape["experts"], shape["hidden"], args.layers or shape["layers"]
+    routing = torch.from_numpy(shape_routing(args.shape, L)).cuda()[:, :, None, :]  # [N, L, 1, K]
     steps = routing.shape[0]
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(steps, 1, H, device="cuda", generator=gen, dtype=torch.bfloat16)
-    full = [
-        {
-            "w1": torch.randn(E, 2 * inter, H, device="cuda", generator=gen, dtype=torch.bfloat16) * H**-0.5,
-            "w2": torch.randn(E, H, inter, device="cuda", generator=gen, dtype=torch.bfloat16) * inter**-0.5,
-        }
-        for _ in range(L)
-    ]
-    _, layout = layout_from_weights(full[0])
     start = time.perf_counter()
+    full = [shape_weights(args.shape, shape, gen) for _ in range(L)]
+    _, layout = layout_from_weights(full[0])
     stores = [CPUBackingStore(layout, w, pin=True) for w in full]
     print(f"{shape['name']}: {L} layers x {E} experts, {layout.record_bytes / 1e6:.2f} MB per expert, "
-          f"{steps} trace tokens; pinned {sum(s.nbytes for s in stores) / 1e9:.1f} GB "
+          f"{steps} trace tokens; {sum(s.nbytes for s in stores) / 1e9:.1f} GB built and pinned "
           f"in {time.perf_counter() - start:.1f} s")  # fmt: skip
     copy_gbps = pinned_copy_gbps(256 * 2**20)
     record_gbps = pinned_copy_gbps(layout.record_bytes)
     print(f"pinned copy-engine bandwidth: {copy_gbps:.1f} GB/s (256 MiB), {record_gbps:.1f} GB/s (one record)")
 
+    admission_rows = bench_admission(stores[0], shape["top_k"], args.skip_flashlib)
+    print_table(admission_rows, list(admission_rows[0]), title="admission per call at 100% hits, in a CUDA graph")
     copy_rows = bench_copy_kernel(stores[0], copy_gbps)
     print_table(copy_rows, list(copy_rows[0]), title="copy bursts: GB/s of the copy kernel by grid size vs copy engine")
 
@@ -171,8 +223,12 @@ def main() -> None:
 
     for fraction in args.fractions:
         slots = round(fraction * E)
-        variants = [("(b) host-driven", "host", False), ("(c) device eager", "device", False),
-                    ("(d) device graph", "device", True)]  # fmt: skip
+        variants = [
+            ("(b) host-driven", "host", False),
+            ("(c) device eager", "device", False),
+            ("(d) device graph", "device", True),
+            ("(d') device graph, copy as 2nd launch", "device-unfused", True),
+        ]
         if not args.skip_flashlib:
             variants.append(("(e) flashlib lru_ensure graph", "flashlib", True))
         for name, kind, graph in variants:
@@ -190,10 +246,11 @@ def main() -> None:
             row["speedup_vs_b"] = host_ms[row["cache"]] / row["ms_per_step"]
     columns = ["cache", "variant", "ms_per_step", "tok_per_s", "hit_rate", "gb_per_token", "bound_ms",
                "ratio_to_bound", "speedup_vs_b"]  # fmt: skip
-    print_table(rows, columns, title=f"{shape['name']} decode, bs=1, {L} layers, bf16; bound = (a) graph "
+    print_table(rows, columns, title=f"{shape['name']} decode, bs=1, {L} layers; bound = (a) graph "
                                      f"{base_ms:.3f} ms + miss bytes / {copy_gbps:.1f} GB/s")  # fmt: skip
     append_csv("bench_decode", [{"shape": shape["name"], "layers": L, "pinned_gbps": copy_gbps, **r} for r in rows])
-    append_csv("bench_copy", [{"pinned_gbps": copy_gbps, **r} for r in copy_rows])
+    append_csv("bench_copy", [{"shape": shape["name"], "pinned_gbps": copy_gbps, **r} for r in copy_rows])
+    append_csv("bench_admission", [{"shape": shape["name"], **r} for r in admission_rows])
 
 
 if __name__ == "__main__":

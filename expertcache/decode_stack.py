@@ -5,7 +5,9 @@ The shape of what an engine runs per generated token, with the cache inside::
     for each layer:  h = rms_norm(h + h @ attention)               (stand-in GEMM)
                      logits = h @ router;  weights = softmax(logits at the given ids)
                      result = provider.prepare(ids)                 (cache: admit, copy, remap)
-                     h = h + moe_apply(h, result.w1, result.w2, weights, result.topk_ids)
+                     h = h + moe_apply(
+                h, result.w1, result.w2, weights, result.topk_ids, w1_scale=result.w1_scale, w2_scale=result.w2_scale
+            )
 
 Routing ids are an input (replayed from a trace, or any router's top-k), so a captured
 graph replays with fresh routing every step. With device-mode providers the captured step
@@ -76,7 +78,9 @@ class DecodeStack:
             logits = (h @ self.router[layer]).float()
             weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
             result = provider.prepare(ids)
-            h = h + moe_apply(h, result.w1, result.w2, weights, result.topk_ids)
+            h = h + moe_apply(
+                h, result.w1, result.w2, weights, result.topk_ids, w1_scale=result.w1_scale, w2_scale=result.w2_scale
+            )
         return h
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from expertcache.kernels.admission import COUNTERS, AdmissionState, admit_on_device
+from expertcache.kernels.admission import COUNTERS, AdmissionState, admit_and_copy
 
 #: The only eviction policy the device kernel implements.
 DEVICE_POLICIES = ("lru",)
@@ -46,12 +46,20 @@ class DeviceSlotTable:
         layer_index: int,
         key_offset: int,
         topk_ids: torch.Tensor,
-        global_to_local: torch.Tensor,
+        global_to_local: torch.Tensor | None,
+        num_global: int,
         out: torch.Tensor,
+        source: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        fused: bool = True,
     ) -> None:
-        """Run the admission kernel for one call (see `admit_on_device`)."""
+        """Admit one call and copy its misses from ``source`` into ``slots`` (see `admit_and_copy`)."""
         self._started = True
-        admit_on_device(self.state, topk_ids, global_to_local, out, key_offset=key_offset, layer=layer_index)
+        admit_and_copy(
+            self.state, topk_ids, global_to_local, out, source, slots,
+            num_global=num_global, key_offset=key_offset, layer=layer_index, fused=fused,
+        )  # fmt: skip
 
     def expert_to_slot(self, layer_index: int, key_offset: int) -> np.ndarray:
         """``[E_local]`` int32 slot of each of the layer's experts, or -1 (synchronises)."""

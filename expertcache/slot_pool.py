@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from expertcache.device_table import DEVICE_POLICIES, DeviceSlotTable
-from expertcache.kernels.copy_records import copy_planned_records
 from expertcache.layout import RecordLayout, layout_from_weights
 from expertcache.policies import EvictionPolicy
 from expertcache.slot_table import Admission, SlotTable
@@ -47,7 +46,8 @@ def copy_record(destination: torch.Tensor, source: torch.Tensor) -> None:
 @dataclass
 class _Layer:
     store: CPUBackingStore
-    global_to_local: torch.Tensor  # [E_global] int32 on the pool's device
+    global_to_local: torch.Tensor | None  # [E_global] int32 on the pool's device; None = identity
+    num_global: int
     index: int
     key_offset: int
 
@@ -113,7 +113,9 @@ class SlotPool:
             raise ValueError(f"layer {layer!r} is already attached to this slot pool")
         self.layout.check_compatible(store.layout, what=f"layer {layer!r}")
         index, key_offset = self._add_layer(store.num_experts)
-        self._layers[layer] = _Layer(store, global_to_local.to(self.device), index, key_offset)
+        identity = torch.equal(global_to_local.cpu(), torch.arange(store.num_experts, dtype=global_to_local.dtype))
+        mapping = None if identity else global_to_local.to(self.device)
+        self._layers[layer] = _Layer(store, mapping, int(global_to_local.numel()), index, key_offset)
         self._expert_to_slot[layer] = np.full(store.num_experts, -1, dtype=np.int32)
         self._version[layer] = 0
         self._stats[layer] = CacheStats()
@@ -181,9 +183,13 @@ class DeviceSlotPool(SlotPool):
 
     Same decisions as a host `SlotPool` with ``policy="lru"``. Attach every layer before
     the first call. The read-only views synchronise with the device.
+
+    ``fused_copy`` (default True): decode-sized calls copy their misses inside the admission
+    launch (one launch per call); False uses a second launch, kept to measure the difference.
     """
 
     mode = "device"
+    fused_copy = True
 
     def __init__(
         self,
@@ -204,9 +210,10 @@ class DeviceSlotPool(SlotPool):
     def admit(self, layer: Hashable, topk_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Admit one call on the device, copy its misses, write slot ids into ``out``."""
         entry = self._layers[layer]
-        self.device_table.admit(entry.index, entry.key_offset, topk_ids, entry.global_to_local, out)
-        state = self.device_table.state
-        copy_planned_records(entry.store.records, self.records, state.plan_expert, state.plan_slot, state.plan_count)
+        self.device_table.admit(
+            entry.index, entry.key_offset, topk_ids, entry.global_to_local, entry.num_global, out,
+            entry.store.records, self.records, fused=self.fused_copy,
+        )  # fmt: skip
         return out
 
     def stats(self, layer: Hashable) -> CacheStats:

@@ -1,7 +1,7 @@
 """Device-side LRU admission: one call's ids -> hits, misses, victims, copy plan, slot ids.
 
-One single-program kernel per call, no host sync, fixed shapes (so it replays in a CUDA
-graph). It makes exactly the decisions of the host `SlotTable` + `LRUPolicy`:
+No host sync, fixed shapes (so it replays in a CUDA graph). It makes exactly the decisions
+of the host `SlotTable` + `LRUPolicy`:
 
 * keys deduplicated in first-appearance order of the row-major flattened ids;
 * every key of the call is stamped ``base + ordinal`` (its first-appearance rank), so
@@ -10,24 +10,27 @@ graph). It makes exactly the decisions of the host `SlotTable` + `LRUPolicy`:
   that this call does not need; never-used slots carry last use -1, so free slots go
   first, lowest index first.
 
-Phases, separated by CTA barriers::
+Two kernels, one contract:
 
-    1 first_seen[key] = min position              (scatter-min over all ids)
-    2 hits re-stamped; misses listed in order      (plan_expert[r], miss_stamp[r])
-    3 r-th miss <- r-th coldest evictable slot     (victim tables updated, plan_slot[r])
-    4 out[i] = expert_to_slot[key(i)]; first_seen reset for the next call
+* ``_admit_small_kernel`` (calls of at most ``SMALL_CALL`` ids: decode) deduplicates in
+  registers and, in the same launch, copies the misses: program 0 admits and publishes the
+  plan; programs 1..P wait for it, copy, and the last one out resets the flag. One launch per
+  layer and step, and a hit costs two dependent loads.
+* ``_admit_kernel`` (any size: prefill) deduplicates through a scatter-min table; the copy
+  kernel (`copy_records`) runs as a second launch.
 
-State tensors (all on the device, owned by `expertcache.device_table.DeviceSlotTable`)::
+State tensors (all on the device)::
 
     expert_to_slot [num_keys] int32   slot of each key or -1
     slot_to_key    [S] int32          key in each slot or -1
     last_use       [S] int64          recency stamp, -1 = never used
     clock          [1] int64          next stamp base
-    first_seen     [num_keys] int32   scratch, INT32_MAX between calls
+    first_seen     [num_keys] int32   scratch of the large kernel, INT32_MAX between calls
     plan_expert    [S] int32          out: local expert (store row) of each miss
     plan_slot      [S] int32          out: destination slot of each miss
     miss_stamp     [S] int64          scratch
     plan_count     [1] int32          out: number of misses
+    copy_sync      [2] int32          plan published flag, finished copy programs (0 between calls)
     counters       [layers, 5] int64  hits, misses, evictions, calls, invalid ids
 """
 
@@ -40,20 +43,135 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import runs_on
+from expertcache.kernels.copy_records import (
+    DEFAULT_BLOCK,
+    DEFAULT_PROGRAMS,
+    copy_geometry,
+    copy_plan,
+    copy_planned_records,
+    warps_for,
+)
 
 FIRST_SEEN_EMPTY = 2**31 - 1
 COUNTERS = ("hits", "misses", "evictions", "calls", "invalid_ids")
+#: Largest call (T * K ids) served by the register kernel with its fused copy.
+SMALL_CALL = 64
 _KEY_MAX = tl.constexpr(2**63 - 1)  # Triton kernels read only constexpr globals
 
 
 @triton.jit
-def _keys_of(ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset):
+def _keys_of(ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset, HAS_MAP: tl.constexpr):
     ids = tl.load(ids_ptr + positions, mask=in_bounds, other=-1).to(tl.int32)
     valid_id = in_bounds & (ids >= 0) & (ids < num_global)
     invalid = in_bounds & ((ids < 0) | (ids >= num_global))
-    local = tl.load(global_to_local_ptr + ids, mask=valid_id, other=-1)
+    if HAS_MAP:
+        local = tl.load(global_to_local_ptr + ids, mask=valid_id, other=-1)
+    else:
+        local = tl.where(valid_id, ids, -1)
     is_local = valid_id & (local >= 0)
     return local, local + key_offset, is_local, invalid
+
+
+@triton.jit
+def _place_misses(
+    expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_expert_ptr, plan_slot_ptr, miss_stamp_ptr,
+    base, num_misses, num_slots, key_offset, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr,
+):  # fmt: skip
+    """The r-th listed miss takes the r-th coldest evictable slot; returns evictions."""
+    slots = tl.arange(0, BLOCK_SLOTS)
+    in_pool = slots < num_slots
+    last = tl.load(last_use_ptr + slots, mask=in_pool, other=base)
+    evictable = in_pool & (last < base)  # this call's keys are stamped >= base
+    # (last use + 1, slot) packed in one int64: free slots (last use -1) sort first
+    order = tl.where(evictable, ((last + 1) << SLOT_BITS) | slots.to(tl.int64), _KEY_MAX)
+    num_evictions = 0
+    for rank in range(0, num_misses):
+        coldest = tl.min(order, axis=0)
+        victim = (coldest & ((1 << SLOT_BITS) - 1)).to(tl.int32)
+        order = tl.where(order == coldest, _KEY_MAX, order)
+        old_key = tl.load(slot_to_key_ptr + victim)
+        if old_key >= 0:
+            tl.store(expert_to_slot_ptr + old_key, -1)
+            num_evictions += 1
+        local = tl.load(plan_expert_ptr + rank)
+        tl.store(expert_to_slot_ptr + local + key_offset, victim)
+        tl.store(slot_to_key_ptr + victim, local + key_offset)
+        tl.store(last_use_ptr + victim, tl.load(miss_stamp_ptr + rank))
+        tl.store(plan_slot_ptr + rank, victim)
+    return num_evictions
+
+
+@triton.jit
+def _count(counters_ptr, layer, hits, misses, evictions, invalid):
+    # one vector atomic, not five scalar read-modify-writes on the critical path
+    lanes = tl.arange(0, 8)
+    values = tl.where(lanes == 0, hits, tl.where(lanes == 1, misses, tl.where(lanes == 2, evictions, invalid)))
+    values = tl.where(lanes == 3, 1, values)
+    tl.atomic_add(counters_ptr + layer * 5 + lanes, values.to(tl.int64), mask=lanes < 5)
+
+
+@triton.jit
+def _admit_small_kernel(
+    ids_ptr, global_to_local_ptr, out_ptr,
+    expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr,
+    plan_expert_ptr, plan_slot_ptr, miss_stamp_ptr, plan_count_ptr, copy_sync_ptr, counters_ptr,
+    source_ptr, slots_ptr, record_words, chunks_per_record,
+    num_ids, num_global, num_slots, key_offset, layer,
+    BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
+    COPY_PROGRAMS: tl.constexpr, COPY_BLOCK: tl.constexpr,
+):  # fmt: skip
+    if tl.program_id(0) == 0:
+        base = tl.load(clock_ptr)
+        positions = tl.arange(0, BLOCK_IDS)
+        in_bounds = positions < num_ids
+        local, key, is_local, invalid = _keys_of(
+            ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset, HAS_MAP
+        )
+        slot = tl.load(expert_to_slot_ptr + key, mask=is_local, other=-1)
+        same = (key[:, None] == key[None, :]) & is_local[:, None] & is_local[None, :]
+        earlier = same & (positions[None, :] < positions[:, None])
+        is_first = is_local & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
+        is_miss = is_first & (slot < 0)
+        ordinal = tl.cumsum(is_first.to(tl.int32), axis=0) - 1
+        miss_ordinal = tl.cumsum(is_miss.to(tl.int32), axis=0) - 1
+        num_unique = tl.sum(is_first.to(tl.int32), axis=0)
+        num_misses = tl.sum(is_miss.to(tl.int32), axis=0)
+        stamp = base + ordinal.to(tl.int64)
+        tl.store(last_use_ptr + slot, stamp, mask=is_first & (slot >= 0))
+        tl.store(plan_expert_ptr + miss_ordinal, local, mask=is_miss)
+        tl.store(miss_stamp_ptr + miss_ordinal, stamp, mask=is_miss)
+        num_evictions = 0
+        if num_misses > 0:
+            tl.debug_barrier()
+            num_evictions = _place_misses(
+                expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_expert_ptr, plan_slot_ptr, miss_stamp_ptr,
+                base, num_misses, num_slots, key_offset, BLOCK_SLOTS, SLOT_BITS,
+            )  # fmt: skip
+            tl.debug_barrier()
+            # every position of a missed key (first or repeat) takes its first's slot
+            missed = same & is_miss[None, :]
+            rank = tl.sum(tl.where(missed, miss_ordinal[None, :], 0), axis=1)
+            was_missed = tl.sum(missed.to(tl.int32), axis=1) > 0
+            slot = tl.where(was_missed, tl.load(plan_slot_ptr + rank, mask=was_missed, other=-1), slot)
+        tl.store(out_ptr + positions, tl.where(is_local, slot, -1).to(out_ptr.dtype.element_ty), mask=in_bounds)
+        tl.store(plan_count_ptr, num_misses)
+        tl.store(clock_ptr, base + num_unique.to(tl.int64))
+        num_invalid = tl.sum(invalid.to(tl.int32), axis=0)
+        _count(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, num_invalid)
+        if COPY_PROGRAMS > 0:
+            tl.debug_barrier()  # the whole plan is written before it is published
+            tl.atomic_xchg(copy_sync_ptr, 1, sem="release")
+    else:
+        while tl.atomic_add(copy_sync_ptr, 0, sem="acquire") == 0:
+            pass
+        count = tl.load(plan_count_ptr)
+        copy_plan(
+            source_ptr, slots_ptr, plan_expert_ptr, plan_slot_ptr, count,
+            record_words, chunks_per_record, tl.program_id(0) - 1, COPY_PROGRAMS, COPY_BLOCK,
+        )  # fmt: skip
+        if tl.atomic_add(copy_sync_ptr + 1, 1, sem="acq_rel") == COPY_PROGRAMS - 1:
+            tl.atomic_xchg(copy_sync_ptr + 1, 0)  # the last copy program out resets the flags
+            tl.atomic_xchg(copy_sync_ptr, 0)
 
 
 @triton.jit
@@ -62,15 +180,16 @@ def _admit_kernel(
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, first_seen_ptr,
     plan_expert_ptr, plan_slot_ptr, miss_stamp_ptr, plan_count_ptr, counters_ptr,
     num_ids, num_global, num_slots, key_offset, layer,
-    BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr,
+    BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     base = tl.load(clock_ptr)
-
     # 1: first position of every key in the call
     for start in range(0, num_ids, BLOCK_IDS):
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
-        _, key, is_local, _ = _keys_of(ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset)
+        _, key, is_local, _ = _keys_of(
+            ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset, HAS_MAP
+        )
         tl.atomic_min(first_seen_ptr + key, positions, mask=is_local)
     tl.debug_barrier()
 
@@ -82,17 +201,16 @@ def _admit_kernel(
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
         local, key, is_local, invalid = _keys_of(
-            ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset
+            ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset, HAS_MAP
         )
         first = tl.load(first_seen_ptr + key, mask=is_local, other=-1)
         is_first = is_local & (first == positions)
         slot = tl.load(expert_to_slot_ptr + key, mask=is_first, other=-1)
         is_miss = is_first & (slot < 0)
-        is_hit = is_first & (slot >= 0)
         ordinal = num_unique + tl.cumsum(is_first.to(tl.int32), axis=0) - 1
         miss_ordinal = num_misses + tl.cumsum(is_miss.to(tl.int32), axis=0) - 1
         stamp = base + ordinal.to(tl.int64)
-        tl.store(last_use_ptr + slot, stamp, mask=is_hit)
+        tl.store(last_use_ptr + slot, stamp, mask=is_first & (slot >= 0))
         tl.store(plan_expert_ptr + miss_ordinal, local, mask=is_miss)
         tl.store(miss_stamp_ptr + miss_ordinal, stamp, mask=is_miss)
         num_unique += tl.sum(is_first.to(tl.int32), axis=0)
@@ -100,46 +218,29 @@ def _admit_kernel(
         num_invalid += tl.sum(invalid.to(tl.int32), axis=0)
     tl.debug_barrier()
 
-    # 3: victims, coldest first: key = (last_use + 1) << SLOT_BITS | slot, free slots at 0
+    # 3: victims, coldest first
     num_evictions = 0
     if num_misses > 0:
-        slots = tl.arange(0, BLOCK_SLOTS)
-        in_pool = slots < num_slots
-        last = tl.load(last_use_ptr + slots, mask=in_pool, other=base)
-        evictable = in_pool & (last < base)  # this call's keys are stamped >= base
-        order = tl.where(evictable, ((last + 1) << SLOT_BITS) | slots.to(tl.int64), _KEY_MAX)
-        for rank in range(0, num_misses):
-            coldest = tl.min(order, axis=0)
-            victim = (coldest & ((1 << SLOT_BITS) - 1)).to(tl.int32)
-            order = tl.where(order == coldest, _KEY_MAX, order)
-            old_key = tl.load(slot_to_key_ptr + victim)
-            if old_key >= 0:
-                tl.store(expert_to_slot_ptr + old_key, -1)
-                num_evictions += 1
-            local = tl.load(plan_expert_ptr + rank)
-            tl.store(expert_to_slot_ptr + local + key_offset, victim)
-            tl.store(slot_to_key_ptr + victim, local + key_offset)
-            tl.store(last_use_ptr + victim, tl.load(miss_stamp_ptr + rank))
-            tl.store(plan_slot_ptr + rank, victim)
+        num_evictions = _place_misses(
+            expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_expert_ptr, plan_slot_ptr, miss_stamp_ptr,
+            base, num_misses, num_slots, key_offset, BLOCK_SLOTS, SLOT_BITS,
+        )  # fmt: skip
     tl.debug_barrier()
 
     # 4: slot ids out; scratch back to empty
     for start in range(0, num_ids, BLOCK_IDS):
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
-        _, key, is_local, _ = _keys_of(ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset)
+        _, key, is_local, _ = _keys_of(
+            ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset, HAS_MAP
+        )
         slot = tl.load(expert_to_slot_ptr + key, mask=is_local, other=-1)
         tl.store(out_ptr + positions, slot.to(out_ptr.dtype.element_ty), mask=in_bounds)
         tl.store(first_seen_ptr + key, 2147483647, mask=is_local)
 
     tl.store(plan_count_ptr, num_misses)
     tl.store(clock_ptr, base + num_unique.to(tl.int64))
-    row = counters_ptr + layer * 5
-    tl.store(row + 0, tl.load(row + 0) + (num_unique - num_misses).to(tl.int64))
-    tl.store(row + 1, tl.load(row + 1) + num_misses.to(tl.int64))
-    tl.store(row + 2, tl.load(row + 2) + num_evictions.to(tl.int64))
-    tl.store(row + 3, tl.load(row + 3) + 1)
-    tl.store(row + 4, tl.load(row + 4) + num_invalid.to(tl.int64))
+    _count(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, num_invalid)
 
 
 @dataclass(frozen=True)
@@ -155,6 +256,7 @@ class AdmissionState:
     plan_slot: torch.Tensor
     miss_stamp: torch.Tensor
     plan_count: torch.Tensor
+    copy_sync: torch.Tensor
     counters: torch.Tensor
 
     @classmethod
@@ -172,28 +274,41 @@ class AdmissionState:
             plan_slot=full((num_slots,), -1, torch.int32),
             miss_stamp=full((num_slots,), 0, torch.int64),
             plan_count=full((1,), 0, torch.int32),
+            copy_sync=full((2,), 0, torch.int32),
             counters=full((num_layers, len(COUNTERS)), 0, torch.int64),
         )
 
 
-def admit_on_device(
+def admit_and_copy(
     state: AdmissionState,
     topk_ids: torch.Tensor,
-    global_to_local: torch.Tensor,
+    global_to_local: torch.Tensor | None,
     out: torch.Tensor,
+    source: torch.Tensor,
+    slots: torch.Tensor,
     *,
+    num_global: int,
     key_offset: int = 0,
     layer: int = 0,
+    fused: bool = True,
+    copy_programs: int = DEFAULT_PROGRAMS,
+    copy_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
-    """Admit one call's experts and write slot ids to ``out``, all on the device.
+    """Admit one call's experts, copy the misses into their slots, write slot ids to ``out``.
 
     Args:
         state: the pool's device tables (updated in place).
         topk_ids: ``[T, K]`` int32/int64 global expert ids (contiguous).
-        global_to_local: ``[E_global]`` int32, global id -> local expert or -1.
+        global_to_local: ``[E_global]`` int32, global id -> local expert or -1; None when the
+            map is the identity (no expert parallelism), which saves a dependent load.
         out: ``[T, K]`` int32/int64, receives slot ids (-1: not local or invalid id).
+        num_global: number of global expert ids ``E_global`` (valid ids are ``[0, E_global)``).
+        source: ``[E_local, R]`` uint8 records of this layer (pinned on a CUDA machine).
+        slots: ``[S, R]`` uint8 slot records.
         key_offset: first key of this layer in the pool's key space.
         layer: row of ``state.counters`` to count into.
+        fused: copy inside the admission launch (calls of at most ``SMALL_CALL`` ids).
+        copy_programs, copy_block: copy grid and chunk size (32-bit words).
 
     The caller guarantees at most ``num_slots`` distinct local experts per call (always
     true when ``T * K <= num_slots``). Ids outside ``[0, E_global)`` map to -1 and are
@@ -204,13 +319,33 @@ def admit_on_device(
     num_slots = state.slot_to_key.numel()
     block_slots = max(16, triton.next_power_of_2(num_slots))
     num_ids = topk_ids.numel()
-    block_ids = min(1024, max(16, triton.next_power_of_2(num_ids)))
-    _admit_kernel[(1,)](
-        topk_ids, global_to_local, out,
-        state.expert_to_slot, state.slot_to_key, state.last_use, state.clock, state.first_seen,
-        state.plan_expert, state.plan_slot, state.miss_stamp, state.plan_count, state.counters,
-        num_ids, global_to_local.numel(), num_slots, key_offset, layer,
-        BLOCK_IDS=block_ids, BLOCK_SLOTS=block_slots, SLOT_BITS=max(1, (block_slots - 1).bit_length()),
-        num_warps=4 if block_slots <= 1024 else 8,
+    has_map = global_to_local is not None
+    mapping = global_to_local if has_map else topk_ids
+    common = dict(BLOCK_SLOTS=block_slots, SLOT_BITS=max(1, (block_slots - 1).bit_length()), HAS_MAP=has_map)
+    if num_ids <= SMALL_CALL:
+        source_arg, slot_words, record_words, chunks = copy_geometry(source, slots, copy_block)
+        programs = copy_programs if fused else 0
+        _admit_small_kernel[(1 + programs,)](
+            topk_ids, mapping, out,
+            state.expert_to_slot, state.slot_to_key, state.last_use, state.clock,
+            state.plan_expert, state.plan_slot, state.miss_stamp, state.plan_count, state.copy_sync, state.counters,
+            source_arg, slot_words, record_words, chunks,
+            num_ids, num_global, num_slots, key_offset, layer,
+            BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), COPY_PROGRAMS=programs, COPY_BLOCK=copy_block,
+            num_warps=warps_for(copy_block) if fused else 4, **common,
+        )  # fmt: skip
+        if fused:
+            return out
+    else:
+        _admit_kernel[(1,)](
+            topk_ids, mapping, out,
+            state.expert_to_slot, state.slot_to_key, state.last_use, state.clock, state.first_seen,
+            state.plan_expert, state.plan_slot, state.miss_stamp, state.plan_count, state.counters,
+            num_ids, num_global, num_slots, key_offset, layer,
+            BLOCK_IDS=min(1024, triton.next_power_of_2(num_ids)), num_warps=4 if block_slots <= 1024 else 8, **common,
+        )  # fmt: skip
+    copy_planned_records(
+        source, slots, state.plan_expert, state.plan_slot, state.plan_count,
+        num_programs=copy_programs, block=copy_block,
     )  # fmt: skip
     return out

@@ -11,6 +11,10 @@ and both give bit-identical outputs. Three launches, no atomics (deterministic):
     down     grid (T*K, H/BLOCK_H):  part[t,k]  = topk_weight[t,k] * (W2[e] @ act[t,k])  fp32
     sum_k    grid (T, H/BLOCK_H):    out[t]     = sum over k of part[t,k], in k order
 
+Weights may be fp32/fp16/bf16, or fp8 (e4m3) with DeepSeek-style block scales
+(``w1_scale`` ``[N, ceil(2I/B), ceil(H/B)]``, ``w2_scale`` ``[N, ceil(H/B), ceil(I/B)]``,
+``B = scale_block``, default 128): each weight is multiplied by its block's scale.
+
 Matrix-vector products, memory-bound at decode batch sizes; for large ``T`` a grouped GEMM
 (the host engine's fused MoE) is the right tool.
 """
@@ -25,10 +29,20 @@ from expertcache.kernels._launch import runs_on
 
 
 @triton.jit
+def _scaled(weights, scale_ptr, rows, cols, mask, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, stride_scale_row):
+    weights = weights.to(tl.float32)
+    if HAS_SCALE:
+        index = (rows // SCALE_BLOCK)[:, None] * stride_scale_row + (cols // SCALE_BLOCK)[None, :]
+        weights = weights * tl.load(scale_ptr + index, mask=mask, other=0.0).to(tl.float32)
+    return weights
+
+
+@triton.jit
 def _gate_up_kernel(
-    hidden_ptr, w1_ptr, ids_ptr, act_ptr,
+    hidden_ptr, w1_ptr, scale_ptr, ids_ptr, act_ptr,
     hidden_size, inter_size, top_k, stride_token, stride_expert, stride_row,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_scale_expert, stride_scale_row,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -40,13 +54,16 @@ def _gate_up_kernel(
         x_row = hidden_ptr + (pair // top_k) * stride_token
         gate_rows = w1_ptr + expert * stride_expert + rows[:, None] * stride_row
         up_rows = gate_rows + inter_size * stride_row
+        scales = scale_ptr + expert * stride_scale_expert
         for start in range(0, hidden_size, BLOCK_H):
             cols = start + tl.arange(0, BLOCK_H)
             col_mask = cols < hidden_size
             x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
             mask = row_mask[:, None] & col_mask[None, :]
-            g = tl.load(gate_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(up_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(gate_rows + cols[None, :], mask=mask, other=0.0)
+            u = tl.load(up_rows + cols[None, :], mask=mask, other=0.0)
+            g = _scaled(g, scales, rows, cols, mask, HAS_SCALE, SCALE_BLOCK, stride_scale_row)
+            u = _scaled(u, scales, rows + inter_size, cols, mask, HAS_SCALE, SCALE_BLOCK, stride_scale_row)
             gate += tl.sum(g * x[None, :], axis=1)
             up += tl.sum(u * x[None, :], axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -55,9 +72,9 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w2_ptr, ids_ptr, weights_ptr, part_ptr,
-    hidden_size, inter_size, stride_expert, stride_row,
-    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    act_ptr, w2_ptr, scale_ptr, ids_ptr, weights_ptr, part_ptr,
+    hidden_size, inter_size, stride_expert, stride_row, stride_scale_expert, stride_scale_row,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -66,12 +83,15 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     if expert >= 0:
         w_rows = w2_ptr + expert * stride_expert + rows[:, None] * stride_row
+        scales = scale_ptr + expert * stride_scale_expert
         for start in range(0, inter_size, BLOCK_I):
             cols = start + tl.arange(0, BLOCK_I)
             col_mask = cols < inter_size
+            mask = row_mask[:, None] & col_mask[None, :]
             a = tl.load(act_ptr + pair * inter_size + cols, mask=col_mask, other=0.0)
-            w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
+            w = _scaled(w, scales, rows, cols, mask, HAS_SCALE, SCALE_BLOCK, stride_scale_row)
+            acc += tl.sum(w * a[None, :], axis=1)
         acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(part_ptr + pair * hidden_size + rows, acc, mask=row_mask)
 
@@ -94,6 +114,9 @@ def moe_apply(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    scale_block: int = 128,
     block_i: int = 16,
     block_h: int = 256,
     block_rows: int = 16,
@@ -107,6 +130,8 @@ def moe_apply(
         w2: ``[N, H, I]`` down projections, same index space.
         topk_weights: ``[T, K]`` router weights.
         topk_ids: ``[T, K]`` int32/int64 indices into ``w1``/``w2``; -1 contributes nothing.
+        w1_scale, w2_scale: optional block scales (see the module docstring); both or none.
+        scale_block: rows and columns per scale block.
 
     Returns:
         ``[T, H]`` in ``hidden``'s dtype, accumulated in fp32.
@@ -114,6 +139,13 @@ def moe_apply(
     tokens, top_k = topk_ids.shape
     hidden_size, inter_size = w2.shape[1], w2.shape[2]
     _check(hidden, w1, w2, topk_weights, topk_ids)
+    if (w1_scale is None) != (w2_scale is None):
+        raise ValueError("give both w1_scale and w2_scale, or neither")
+    has_scale = w1_scale is not None
+    if has_scale and (w1_scale.dim() != 3 or w2_scale.dim() != 3):  # type: ignore[union-attr]
+        raise ValueError("block scales must be [N, row blocks, column blocks]")
+    w1_scale = w1_scale if has_scale else w1  # an unused pointer when there are no scales
+    w2_scale = w2_scale if has_scale else w2
     device = hidden.device
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
@@ -124,12 +156,14 @@ def moe_apply(
         return out
     pairs = tokens * top_k
     _gate_up_kernel[(pairs, triton.cdiv(inter_size, block_i))](
-        hidden, w1, ids, act, hidden_size, inter_size, top_k,
-        hidden.stride(0), w1.stride(0), w1.stride(1), BLOCK_I=block_i, BLOCK_H=block_h,
+        hidden, w1, w1_scale, ids, act, hidden_size, inter_size, top_k,
+        hidden.stride(0), w1.stride(0), w1.stride(1), w1_scale.stride(0), w1_scale.stride(1),
+        BLOCK_I=block_i, BLOCK_H=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
     )  # fmt: skip
     _down_kernel[(pairs, triton.cdiv(hidden_size, block_rows))](
-        act, w2, ids, weights, part, hidden_size, inter_size,
-        w2.stride(0), w2.stride(1), BLOCK_H=block_rows, BLOCK_I=block_h,
+        act, w2, w2_scale, ids, weights, part, hidden_size, inter_size,
+        w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        BLOCK_H=block_rows, BLOCK_I=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
     )  # fmt: skip
     _sum_over_k_kernel[(tokens, triton.cdiv(hidden_size, 256))](
         part, out, hidden_size, top_k, out.stride(0), BLOCK_H=256

@@ -25,6 +25,7 @@ STEPS = {"count": 0}
 
 class HostVersusDevice(RuleBasedStateMachine):
     device = "cpu"
+    fused_copy = True
 
     @initialize(num_local=st.integers(2, 9), num_layers=st.integers(1, 3), data=st.data())
     def build(self, num_local, num_layers, data):
@@ -39,6 +40,7 @@ class HostVersusDevice(RuleBasedStateMachine):
             SlotPool.for_weights(weights[0], slots, device=self.device),
             DeviceSlotPool(SlotPool.for_weights(weights[0], 1).layout, slots, device=self.device),
         ]
+        self.pools[1].fused_copy = self.fused_copy
         self.layers = [
             [CachedWeightProvider(w, pool=pool, layer=i, expert_map=expert_map) for i, w in enumerate(weights)]
             for pool in self.pools
@@ -75,6 +77,19 @@ class HostVersusDevice(RuleBasedStateMachine):
         else:
             assert outcomes[0] == outcomes[1]
 
+    @rule(data=st.data())
+    def large_call(self, data):
+        """More ids than the register kernel takes (> 64): the scatter-min kernel, then the copy launch."""
+        STEPS["count"] += 1
+        layer = data.draw(st.integers(0, len(self.layers[0]) - 1), label="layer")
+        distinct = data.draw(
+            st.lists(st.integers(0, self.num_global - 1), min_size=1, max_size=self.pools[0].num_slots, unique=True)
+        )
+        ids = data.draw(st.lists(st.sampled_from(distinct), min_size=65, max_size=90), label="ids")
+        ids = torch.tensor(ids + distinct, device=self.device).reshape(-1, 1)
+        host, device = (providers[layer].prepare(ids) for providers in self.layers)
+        assert torch.equal(host.topk_ids, device.topk_ids)
+
     @invariant()
     def same_state(self):
         if not hasattr(self, "pools"):
@@ -91,10 +106,11 @@ class HostVersusDevice(RuleBasedStateMachine):
         assert torch.equal(self.pools[0].records, self.pools[1].records)
 
 
+@pytest.mark.parametrize("fused_copy", [True, False], ids=["copy in the admission launch", "separate copy launch"])
 @pytest.mark.parametrize("device", devices())
-def test_device_admission_equals_host_lru(device):
+def test_device_admission_equals_host_lru(device, fused_copy):
     STEPS["count"] = 0
-    machine = type("Machine", (HostVersusDevice,), {"device": device})
+    machine = type("Machine", (HostVersusDevice,), {"device": device, "fused_copy": fused_copy})
     run_state_machine_as_test(
         machine,
         settings=settings(

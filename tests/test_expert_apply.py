@@ -66,3 +66,34 @@ def test_moe_apply_rejects_bad_shapes():
     with pytest.raises(ValueError, match="contiguous"):
         moe_apply(torch.randn(1, 16), w["w1"].transpose(1, 2).contiguous().transpose(1, 2), w["w2"],
                   torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.long))  # fmt: skip
+
+
+def dequantize(weights: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """``weights * scale of its block``, the reference for block-scaled weights."""
+    expanded = scales.repeat_interleave(block, 1).repeat_interleave(block, 2)
+    return weights.float() * expanded[:, : weights.shape[1], : weights.shape[2]]
+
+
+# (weight dtype, device) and its tolerance; fp8 e4m3 needs the GPU.
+SCALED = [
+    pytest.param(torch.float16, "cpu", 1e-3, id="fp16-cpu"),
+    pytest.param(torch.float8_e4m3fn, "cuda", 1e-4, id="fp8-cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("weight_dtype, device, tolerance", SCALED)
+def test_block_scaled_weights_match_dequantized_reference(weight_dtype, device, tolerance):
+    """DeepSeek-style block scales; H, I not multiples of the block (ragged last blocks)."""
+    gen = torch.Generator().manual_seed(9)
+    experts, hidden, inter, block = 6, 40, 24, 16
+    w = random_weights(experts, hidden, inter, generator=gen)
+    w1, w2 = w["w1"].to(weight_dtype), w["w2"].to(weight_dtype)
+    w1_scale = torch.rand(experts, -(-2 * inter // block), -(-hidden // block), generator=gen) + 0.5
+    w2_scale = torch.rand(experts, -(-hidden // block), -(-inter // block), generator=gen) + 0.5
+    ids = random_topk(3, 4, experts, generator=gen)
+    x = torch.randn(3, hidden, generator=gen)
+    router = torch.rand(3, 4, generator=gen)
+    on = [t.to(device) for t in (x, w1, w2, router, ids, w1_scale, w2_scale)]
+    ours = moe_apply(*on[:5], w1_scale=on[5], w2_scale=on[6], scale_block=block)
+    reference = moe_forward(x, dequantize(w1, w1_scale, block), dequantize(w2, w2_scale, block), router, ids)
+    torch.testing.assert_close(ours.cpu(), reference, atol=tolerance, rtol=tolerance)
