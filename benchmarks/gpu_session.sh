@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, for a lent GPU machine with no registry access.
-# Usage: bash benchmarks/gpu_session.sh [STEP ...]   (steps: tests prepare decode decode-deepseek; default all)
+# Usage: bash benchmarks/gpu_session.sh [STEP ...]   (steps: tests prepare decode decode-deepseek; default all;
+#        also demo families generate: the transformers integration, see the README)
 # Logs and CSVs go to $OUT (or ./gpu-out). Carried wheels in .whl/ (flashlib) are installed
 # into /tmp/site first. Each step has its own time limit, so one failure doesn't stop the rest.
 set -u
@@ -27,6 +28,9 @@ for step in $steps; do
     prepare) timeout 180 python3 benchmarks/bench_prepare.py 2>&1 | tee "$OUT/bench_prepare.log" ;;
     decode) timeout 400 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" ;;
     decode-deepseek) timeout 400 python3 benchmarks/bench_decode.py --shape deepseek-v3 2>&1 | tee "$OUT/bench_decode_deepseek.log" ;;
+    demo) timeout 300 python3 -m expertcache.cli demo 2>&1 | tee "$OUT/demo.log" ;;
+    families) timeout 300 python3 benchmarks/family_equivalence.py --device cuda 2>&1 | tee "$OUT/family_equivalence.log" ;;
+    generate) timeout 500 python3 benchmarks/bench_generate.py 2>&1 | tee "$OUT/bench_generate.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

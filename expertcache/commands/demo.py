@@ -1,26 +1,46 @@
-"""``expertcache demo``: the embedded default job (no GPU, no download)."""
+"""``expertcache demo``: the embedded default job (no download; GPU if present, else CPU)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from expertcache.cli import positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="run the self-contained demo (no GPU, no download)")
+    parser = subparsers.add_parser(
+        "demo",
+        help="generate with a random transformers MoE model, with and without the cache",
+        description="Build a scaled-down MoE model from a transformers config class (random "
+        "weights, no download), generate greedily without the cache and with it at several "
+        "sizes, and compare.",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--steps", type=_positive_int, default=64, help="decode steps (default 64)")
+    parser.add_argument(
+        "--family",
+        default="qwen3_moe",
+        choices=("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"),
+        help="model family to build (default: qwen3_moe)",
+    )
+    parser.add_argument("--new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
+    parser.add_argument(
+        "--save-trace",
+        type=Path,
+        default=None,
+        metavar="FILE.npz",
+        help="keep the recorded routing trace here (default: a temporary file)",
+    )
     parser.set_defaults(func=run)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def run(args: argparse.Namespace) -> int:
-    from expertcache.demo_layers import StackConfig, run_demo
+    from expertcache.demo import run_demo
 
-    rows = run_demo(StackConfig(steps=args.steps), device=args.device)
-    return 0 if all(row["identical"] for row in rows) else 1
+    rows = run_demo(
+        family=args.family,
+        device=args.device,
+        new_tokens=args.new_tokens,
+        trace_path=args.save_trace,
+    )
+    return 0 if all(row.identical for row in rows) else 1

@@ -1,6 +1,9 @@
-"""Routing traces: one format (`RoutingTrace`) and loaders for every known source format."""
+"""Routing traces: one format (`RoutingTrace`), loaders for every known source format, and
+`RoutingRecorder`, which captures the router's choices of a running model into that format.
+"""
 
 from expertcache.trace.format import RoutingTrace
 from expertcache.trace.loaders import detect_format, load_trace
+from expertcache.trace.recorder import RoutingRecorder
 
-__all__ = ["RoutingTrace", "detect_format", "load_trace"]
+__all__ = ["RoutingRecorder", "RoutingTrace", "detect_format", "load_trace"]

@@ -1,0 +1,164 @@
+"""``expertcache generate``: greedy generation from a local checkpoint with the expert cache.
+
+Everything that can be wrong with the request is checked before any weight is read: the
+directory, the model's MoE layers (on a weightless meta-device copy of the architecture)
+and the cache size against them, the prompt against the tokenizer or the vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from expertcache.cli import add_cache_arguments, cache_config_from_args, positive_int
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate from a local checkpoint directory with the expert cache",
+        description="Load a transformers checkpoint directory (from_pretrained on a path), serve "
+        "its experts through the cache and generate greedily.",
+    )
+    parser.add_argument("--model", required=True, type=Path, metavar="DIR", help="checkpoint dir")
+    parser.add_argument(
+        "--prompt",
+        default=None,
+        help="text (with a tokenizer in DIR) or token ids such as '1 2 3' (without one)",
+    )
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="then generate again with every expert resident and check the tokens match",
+    )
+    parser.add_argument("--save-trace", type=Path, default=None, metavar="FILE.npz")
+    add_cache_arguments(parser)
+    parser.set_defaults(func=lambda args: run(args, parser))
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    config = cache_config_from_args(args)
+    if config is None:
+        parser.error("generate needs --moe-expert-cache-size N (GPU slots per MoE layer)")
+    _check_directory(args.model, parser)
+    import torch
+    from transformers import AutoConfig
+
+    from expertcache.integrations.transformers import check_cache_size
+    from expertcache.validation import resolve_device
+
+    try:
+        device = resolve_device(args.device)
+        model_config = AutoConfig.from_pretrained(args.model)
+        blocks = check_cache_size(_skeleton(model_config), config.cache_size)
+    except ValueError as error:  # unsupported family, no MoE layers, size out of range
+        parser.error(f"{args.model}: {error}")
+    tokenizer = _tokenizer(args.model)
+    input_ids = _prompt_ids(args.prompt, tokenizer, model_config, parser).to(device)
+    config = dataclasses.replace(config, device=str(device))
+    return _generate(args, config, blocks, tokenizer, input_ids, device, torch)
+
+
+def _check_directory(path: Path, parser: argparse.ArgumentParser) -> None:
+    if not path.exists():
+        parser.error(f"--model {path}: no such directory")
+    if not path.is_dir():
+        parser.error(f"--model {path}: not a directory")
+    if not (path / "config.json").is_file():
+        parser.error(f"--model {path}: not a transformers checkpoint directory (no config.json)")
+
+
+def _skeleton(model_config):
+    """The architecture on the meta device: module names and shapes, no memory, no weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config)
+
+
+def _tokenizer(path: Path):
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _prompt_ids(prompt, tokenizer, model_config, parser):
+    import torch
+
+    if tokenizer is not None:
+        return tokenizer(prompt or "Hello", return_tensors="pt").input_ids
+    text = prompt if prompt is not None else "1 2 3 4"
+    try:
+        ids = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        parser.error(
+            f"the model directory has no tokenizer, so --prompt must be token ids such as '1 2 3', got {text!r}"
+        )
+    vocab = int(model_config.vocab_size)
+    if not ids or not all(0 <= i < vocab for i in ids):
+        parser.error(f"--prompt token ids must be in [0, {vocab}) and not empty, got {text!r}")
+    return torch.tensor([ids])
+
+
+def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.integrations.transformers import enable_expert_cache
+    from expertcache.integrations.transformers.generation import greedy_generate
+    from expertcache.trace import RoutingRecorder
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
+    recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
+    handle = enable_expert_cache(model, config, recorder=recorder)
+    assert handle is not None  # config is not None
+    model.to(device)  # everything but the experts, which now live in the store and the slots
+    experts = blocks[0].num_experts
+    top_k = getattr(blocks[0].module.config, "num_experts_per_tok", "?")
+    print(
+        f"model: {args.model} ({model.config.model_type}, {len(blocks)} MoE layers x {experts} "
+        f"experts, top-{top_k}), {str(model.dtype).removeprefix('torch.')} on {device}"
+    )
+    print(
+        f"cache: {config.cache_size} slots per layer, budget {config.budget}, {config.policy}; "
+        f"expert bytes on device {handle.slot_bytes / 1e6:.1f} MB vs "
+        f"{handle.expert_bytes / 1e6:.1f} MB fully resident"
+    )
+    if recorder is not None:
+        recorder.begin_request()
+    run = greedy_generate(model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="generate")
+    _print_output(run, input_ids, tokenizer)
+    stats = handle.stats.total
+    print(
+        f"{run.new_tokens} new tokens in {run.seconds:.2f} s ({run.tokens_per_second:.1f} tok/s); "
+        f"hit rate {stats.hit_rate:.1%} ({stats.hits} hits, {stats.misses} misses), "
+        f"{stats.bytes_h2d / 1e6:.1f} MB copied into slots"
+    )
+    if recorder is not None:
+        trace = recorder.trace()
+        trace.save(args.save_trace)
+        shape = f"{trace.num_tokens} tokens x {trace.num_layers} layers"
+        print(f"routing trace: {shape} -> {args.save_trace}")
+    if not args.compare:
+        return 0
+    handle.disable()
+    model.to(device)
+    resident = greedy_generate(model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="no cache")
+    same = bool(torch.equal(resident.tokens, run.tokens))
+    print(f"without the cache: {'identical tokens' if same else 'DIFFERENT tokens'}")
+    return 0 if same else 1
+
+
+def _print_output(run, input_ids, tokenizer) -> None:
+    new = run.tokens[0, input_ids.shape[1] :]
+    if tokenizer is not None:
+        print(f"output: {tokenizer.decode(new, skip_special_tokens=True)!r}")
+    else:
+        print(f"output token ids: {new.tolist()}")

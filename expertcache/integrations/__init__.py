@@ -1,0 +1,1 @@
+"""Integrations of the expert cache into inference frameworks (one subpackage each)."""

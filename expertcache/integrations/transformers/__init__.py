@@ -1,0 +1,37 @@
+"""Hugging Face transformers (5.x) integration: serve a model's experts from the cache.
+
+    handle = enable_expert_cache(model, cache_size=16)   # slots per MoE layer
+    model.generate(...)                                  # outputs unchanged
+    print(handle.stats.total.hit_rate)
+    handle.disable()                                     # original weights back
+
+Plugs in through transformers' own experts extension point (``@use_experts_implementation``
+and its experts-function registry); expert blocks are found from module and parameter
+names, not from a table of models.
+"""
+
+from expertcache.integrations.transformers.discovery import (
+    ExpertBlock,
+    NoExpertsError,
+    UnsupportedModelError,
+    find_expert_blocks,
+)
+from expertcache.integrations.transformers.dispatch import IMPLEMENTATION_NAME
+from expertcache.integrations.transformers.handle import (
+    ExpertCacheHandle,
+    ExpertCacheStats,
+    check_cache_size,
+    enable_expert_cache,
+)
+
+__all__ = [
+    "IMPLEMENTATION_NAME",
+    "ExpertBlock",
+    "ExpertCacheHandle",
+    "ExpertCacheStats",
+    "NoExpertsError",
+    "UnsupportedModelError",
+    "check_cache_size",
+    "enable_expert_cache",
+    "find_expert_blocks",
+]

@@ -1,0 +1,276 @@
+"""`enable_expert_cache`: serve every routed-expert block of a transformers model from the cache.
+
+For each expert block (found by `discovery`), its per-expert parameters are copied into a
+`CachedWeightProvider` (pinned host store + GPU slots) and the parameters themselves shrink
+to empty placeholders, so the GPU keeps only the slots; shared experts, routers, attention
+and everything else stay where they were. The block's config then selects the
+``"expertcache"`` experts implementation (`dispatch`). The returned `ExpertCacheHandle`
+reports statistics and ``disable()`` puts the original weights back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from expertcache.cached_provider import CachedWeightProvider
+from expertcache.config import ExpertCacheConfig
+from expertcache.integrations.transformers import dispatch
+from expertcache.integrations.transformers.discovery import (
+    ExpertBlock,
+    UnsupportedModelError,
+    experts_interface_of,
+    find_expert_blocks,
+    model_family,
+)
+from expertcache.integrations.transformers.serving import (
+    ServedBlock,
+    block_layout,
+    check_pin_budget,
+    restore_block,
+    serve_blocks,
+    shared_pool,
+)
+from expertcache.stats import CacheStats
+from expertcache.trace.recorder import RoutingRecorder
+from expertcache.validation import resolve_device
+
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class ExpertCacheStats:
+    """Counters of a model's cache.
+
+    Attributes:
+        per_layer: expert-block module name -> that layer's `CacheStats`.
+        total: the sum over layers.
+    """
+
+    per_layer: Mapping[str, CacheStats]
+    total: CacheStats
+
+
+class ExpertCacheHandle:
+    """A model whose expert blocks are served by the cache (returned by `enable_expert_cache`).
+
+    Attributes:
+        config: the cache settings in force.
+        recorder: the `RoutingRecorder` fed by every MoE layer, or None.
+    """
+
+    def __init__(
+        self, config: ExpertCacheConfig, served: list[ServedBlock], recorder: RoutingRecorder | None, expert_bytes: int
+    ) -> None:
+        self.config = config
+        self.recorder = recorder
+        self._served = served
+        self._layers = tuple(item.block.name for item in served)
+        self._configs: dict[int, tuple[object, object]] = {}
+        self._final_stats: ExpertCacheStats | None = None
+        self._expert_bytes = expert_bytes
+
+    @property
+    def enabled(self) -> bool:
+        return self._final_stats is None
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """Module names of the served expert blocks, in model order."""
+        return self._layers
+
+    def provider(self, layer: str) -> CachedWeightProvider:
+        """The provider serving expert block ``layer`` (its read-only views: resident, slot_of)."""
+        if not self.enabled:
+            raise RuntimeError("the expert cache was disabled; its providers are gone")
+        for item in self._served:
+            if item.block.name == layer:
+                return item.provider
+        raise KeyError(f"{layer!r} is not a served expert block; served: {self.layers}")
+
+    @property
+    def stats(self) -> ExpertCacheStats:
+        """Hits, misses, evictions and bytes copied, per layer and in total."""
+        if self._final_stats is not None:
+            return self._final_stats
+        per_layer = {item.block.name: item.provider.stats for item in self._served}
+        total = sum(per_layer.values(), CacheStats())
+        return ExpertCacheStats(MappingProxyType(per_layer), total)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the slot buffers on the cache's device (every pool counted once; 0 once
+        disabled)."""
+        pools = {id(item.provider.pool): item.provider.pool for item in self._served}
+        return sum(pool.nbytes for pool in pools.values())
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes the served expert parameters take when fully resident."""
+        return self._expert_bytes
+
+    def disable(self) -> None:
+        """Put the original expert weights back (same values, dtype, shape and Parameter
+        objects, on the device the placeholders are on now) and stop serving the model."""
+        if not self.enabled:
+            return
+        final = self.stats
+        for config, previous in self._configs.values():
+            _set_experts_implementation(config, previous)
+        for item in self._served:
+            dispatch.unbind(item.block.module)
+            restore_block(item)
+        self._served = []  # drops the providers: the slots and the pinned store are freed
+        self._final_stats = final
+
+    def __repr__(self) -> str:
+        state = "enabled" if self.enabled else "disabled"
+        return f"ExpertCacheHandle({len(self._served)} expert blocks, {self.config}, {state})"
+
+
+def enable_expert_cache(
+    model: nn.Module,
+    config: ExpertCacheConfig | None = _UNSET,  # type: ignore[assignment]
+    *,
+    cache_size: int | None = None,
+    policy: str = "lru",
+    budget: str | None = None,
+    device: str | torch.device | None = None,
+    pin_budget_bytes: int | None = None,
+    recorder: RoutingRecorder | None = None,
+) -> ExpertCacheHandle | None:
+    """Serve every routed-expert block of a transformers (5.x) model through the cache.
+
+    Args:
+        model: a transformers model (e.g. ``AutoModelForCausalLM``) with its weights loaded.
+        config: an `ExpertCacheConfig` (from `expertcache.cli.cache_config_from_args`) instead
+            of the keyword settings. ``None``, what that function returns when the engine's
+            flags leave the cache off, changes nothing and returns None.
+        cache_size: GPU slots per MoE layer, between the router's top-k and the number of
+            experts per layer (with ``budget="global"``: one pool of cache_size x layers).
+        policy: eviction policy name (``"lru"``).
+        budget: ``"per-layer"`` or ``"global"`` (default: `expertcache.config.DEFAULT_BUDGET`).
+        device: where the slots live (default: where the expert weights are now).
+        pin_budget_bytes: refuse, before pinning anything, to pin more host memory in all.
+        recorder: a `RoutingRecorder` that receives every MoE layer's ``topk_ids``.
+
+    Returns:
+        An `ExpertCacheHandle` (``stats``, ``disable()``, ``config``); None for ``config=None``.
+
+    Raises:
+        UnsupportedModelError: the model's experts cannot be served (names the family).
+        NoExpertsError: the model has no MoE layers.
+        ValueError: a setting out of range for this model; PinBudgetError: over the budget.
+        Nothing is changed when any of these is raised.
+    """
+    if config is None:
+        return None
+    config = _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes)
+    if any(dispatch.is_bound(module) for module in model.modules()):
+        raise RuntimeError("the expert cache is already enabled on this model; disable() it first")
+    blocks = check_cache_size(model, config.cache_size)
+    _check_not_meta(model, blocks)
+    target = resolve_device(config.device or blocks[0].module.get_parameter("gate_up_proj").device)
+    inner = {block.name: _previous_implementation(model, block) for block in blocks}
+    layouts = [block_layout(block) for block in blocks]
+    check_pin_budget(blocks, layouts, config.pin_budget_bytes)
+    pool = shared_pool(blocks, layouts, config, target) if config.budget == "global" else None
+    if recorder is not None:
+        recorder.describe(
+            layers=[block.layer for block in blocks],
+            num_experts=max(block.num_experts for block in blocks),
+            model=model_family(model),
+        )
+    expert_bytes = sum(block.module.get_parameter(name).nbytes for block in blocks for name in block.parameter_names)
+    served = serve_blocks(blocks, config, target, pool)
+    handle = ExpertCacheHandle(config, served, recorder, expert_bytes)
+    for item in served:
+        dispatch.bind(item.block.module, _binding(item, inner[item.block.name], recorder))
+    for block in blocks:
+        block_config = getattr(block.module, "config")  # noqa: B009 - set by the decorator
+        if id(block_config) not in handle._configs:
+            previous = block_config._experts_implementation
+            handle._configs[id(block_config)] = (block_config, previous)
+            _set_experts_implementation(block_config, dispatch.IMPLEMENTATION_NAME)
+    return handle
+
+
+def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
+    """Find the model's expert blocks and check ``cache_size`` against them.
+
+    Works on a model built on the meta device too (no weights needed), so a command line can
+    reject a bad size before loading a checkpoint.
+
+    Returns:
+        The expert blocks.
+
+    Raises:
+        UnsupportedModelError / NoExpertsError: see `find_expert_blocks`.
+        ValueError: ``cache_size`` outside ``[top-k, experts per layer]``.
+    """
+    blocks = find_expert_blocks(model)
+    fewest = min(block.num_experts for block in blocks)
+    top_k = getattr(blocks[0].module.config, "num_experts_per_tok", None) or 1
+    if not top_k <= cache_size <= fewest:
+        raise ValueError(
+            f"the expert cache size (--moe-expert-cache-size, slots per MoE layer) must be between "
+            f"{top_k} (the router's top-k) and {fewest} (experts per layer) for this "
+            f"{model_family(model)} model, got {cache_size}"
+        )
+    return blocks
+
+
+def _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes) -> ExpertCacheConfig:
+    if config is not _UNSET:
+        if not isinstance(config, ExpertCacheConfig):
+            raise TypeError(f"config must be an ExpertCacheConfig or None, got {type(config).__name__}")
+        if cache_size is not None or budget is not None or device is not None or pin_budget_bytes is not None:
+            raise TypeError("give either config or the keyword settings, not both")
+        return config
+    if cache_size is None:
+        raise TypeError("enable_expert_cache needs cache_size (GPU slots per MoE layer) or a config")
+    extra = {"budget": budget} if budget is not None else {}
+    device_name = None if device is None else str(device)
+    return ExpertCacheConfig(cache_size, policy, pin_budget_bytes=pin_budget_bytes, device=device_name, **extra)
+
+
+def _check_not_meta(model: nn.Module, blocks: list[ExpertBlock]) -> None:
+    for block in blocks:
+        if any(block.module.get_parameter(name).is_meta for name in block.parameter_names):
+            raise ValueError(
+                f"{block.name} of this {model_family(model)} model has its weights on the meta "
+                f"device: load the weights (from_pretrained) before enabling the expert cache"
+            )
+
+
+def _previous_implementation(model: nn.Module, block: ExpertBlock) -> dispatch.ExpertsFunction:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    dispatch.register()
+    interface = experts_interface_of(block.module) or ALL_EXPERTS_FUNCTIONS
+    if dispatch.IMPLEMENTATION_NAME not in interface:
+        reason = "dispatches through an experts registry that the cache is not registered in"
+        raise UnsupportedModelError(model_family(model), [(block.name, type(block.module).__name__, reason)])
+    previous = getattr(block.module, "config")._experts_implementation or "eager"  # noqa: B009
+    if previous == dispatch.IMPLEMENTATION_NAME:
+        raise RuntimeError(f"{block.name} already selects the {previous!r} experts implementation")
+    original_forward = getattr(type(block.module).forward, "__wrapped__")  # noqa: B009
+    return interface.get_interface(str(previous), original_forward)
+
+
+def _binding(item: ServedBlock, inner, recorder) -> dispatch.Binding:
+    block = item.block
+    parameter_of = {block.cache_name(name): name for name in block.parameter_names}
+    return dispatch.Binding(item.provider, inner, parameter_of, block.layer, recorder)
+
+
+def _set_experts_implementation(config: object, name: object) -> None:
+    # The internal field, not the property: the property's setter also rewrites sub-configs.
+    if hasattr(config, "_experts_implementation_internal"):
+        config._experts_implementation_internal = name  # type: ignore[attr-defined]
+    else:
+        config._experts_implementation = name  # type: ignore[attr-defined]

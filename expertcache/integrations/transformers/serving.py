@@ -1,0 +1,107 @@
+"""Moving an expert block's weights into a `CachedWeightProvider` and back.
+
+``serve_blocks`` copies each block's per-expert parameters into a provider (its pinned store),
+then shrinks the parameters to empty placeholders, one block at a time, so the host never
+holds more than one extra block; ``restore_block`` writes the store's bytes back into the
+same Parameter objects. Checks that need every block (pin budget, one layout for a shared
+pool) run before anything is copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from expertcache.cached_provider import CachedWeightProvider
+from expertcache.config import ExpertCacheConfig
+from expertcache.errors import PinBudgetError
+from expertcache.integrations.transformers.discovery import ExpertBlock
+from expertcache.layout import RecordLayout, layout_from_weights
+from expertcache.slot_pool import SlotPool
+
+
+@dataclass
+class SavedParameter:
+    """A parameter whose data the cache took: the object itself and its original shape/dtype."""
+
+    parameter: nn.Parameter
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@dataclass
+class ServedBlock:
+    """An expert block, the provider serving it, and the parameters it took (by name)."""
+
+    block: ExpertBlock
+    provider: CachedWeightProvider
+    saved: dict[str, SavedParameter] = field(default_factory=dict)
+
+
+def serve_blocks(blocks: list[ExpertBlock], config: ExpertCacheConfig, target: torch.device, pool) -> list[ServedBlock]:
+    """Copy each block's experts into its provider and free them, one block at a time (the
+    host never holds more than one extra block); on any failure put back what was taken."""
+    served: list[ServedBlock] = []
+    try:
+        for block in blocks:
+            served.append(ServedBlock(block, _provider(block, config, target, pool)))
+            _take_weights(served[-1])
+    except BaseException:
+        for item in served:
+            restore_block(item)
+        raise
+    return served
+
+
+def _weights(block: ExpertBlock) -> dict[str, torch.Tensor]:
+    return {block.cache_name(name): block.module.get_parameter(name).detach() for name in block.parameter_names}
+
+
+def block_layout(block: ExpertBlock) -> RecordLayout:
+    """The record layout the block's experts would have in the cache (metadata only)."""
+    return layout_from_weights(_weights(block))[1]
+
+
+def check_pin_budget(blocks: list[ExpertBlock], layouts: list[RecordLayout], budget: int | None) -> None:
+    """Raise `PinBudgetError` when the stores of all blocks together would exceed ``budget``."""
+    needed = sum(block.num_experts * layout.record_bytes for block, layout in zip(blocks, layouts, strict=True))
+    if budget is not None and needed > budget:
+        raise PinBudgetError(needed, budget)
+
+
+def shared_pool(blocks, layouts, config: ExpertCacheConfig, target: torch.device) -> SlotPool:
+    """One pool of ``cache_size x len(blocks)`` slots for every block (the global budget)."""
+    for block, layout in zip(blocks[1:], layouts[1:], strict=True):
+        if layout.specs != layouts[0].specs:
+            raise ValueError(
+                f"budget 'global' needs every MoE layer's experts to have the same shapes, but "
+                f"{block.name} differs from {blocks[0].name}; use budget 'per-layer'"
+            )
+    return SlotPool(layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy)
+
+
+def _provider(block, config: ExpertCacheConfig, target, pool) -> CachedWeightProvider:
+    if pool is None:
+        return CachedWeightProvider(_weights(block), cache_size=config.cache_size, device=target, policy=config.policy)
+    return CachedWeightProvider(_weights(block), pool=pool, layer=block.name)
+
+
+def _take_weights(item: ServedBlock) -> None:
+    for name in item.block.parameter_names:
+        parameter = item.block.module.get_parameter(name)
+        item.saved[name] = SavedParameter(parameter, parameter.shape, parameter.dtype)
+        # An empty placeholder on the same device: the memory is freed, model.to() still
+        # moves it, and any read that bypasses the cache fails loudly instead of silently.
+        parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+
+
+def restore_block(item: ServedBlock) -> None:
+    """Write the store's bytes back into the taken Parameter objects, on the device their
+    placeholders are on now (they follow ``model.to()``), in their original shape and dtype."""
+    stored = item.provider.store.tensors
+    for name, saved in item.saved.items():
+        source = stored[item.block.cache_name(name)]
+        weights = torch.empty(saved.shape, dtype=saved.dtype, device=saved.parameter.device)
+        saved.parameter.data = weights.copy_(source)

@@ -1,0 +1,139 @@
+"""`RoutingRecorder`: captures the router's choices of every MoE layer into a `RoutingTrace`.
+
+An integration calls ``record(layer, topk_ids)`` once per MoE layer per forward pass (the
+transformers integration does, when given a recorder). A forward pass ends when a layer
+already recorded in it is seen again, so no framework hook is needed::
+
+    forward 0: record(0, [T0, K]) record(1, [T0, K]) ...   -> tokens 0 .. T0-1
+    forward 1: record(0, [T1, K]) ...                       -> tokens T0 .. T0+T1-1
+
+``begin_request()`` marks where a new request (a new prompt) starts. ``trace()`` returns
+everything so far as one `RoutingTrace` ([N, L, K] int16 ids, -1 where a layer was not
+called), which ``RoutingTrace.save`` writes as ``.npz``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from expertcache.trace.format import RoutingTrace
+
+_INT16_MAX = np.iinfo(np.int16).max
+
+
+class RoutingRecorder:
+    """Collects ``topk_ids`` per layer and per forward pass.
+
+    Args:
+        layers: model layer index of each MoE layer, in column order (an integration that
+            knows them sets them through `describe` if not given here).
+        num_experts: experts per layer ``E``.
+        model: model name stored in the trace.
+        source: where the trace comes from.
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: Sequence[int] | None = None,
+        num_experts: int | None = None,
+        model: str = "",
+        source: str = "recorded by expertcache",
+    ) -> None:
+        self.layers: tuple[int, ...] | None = None if layers is None else tuple(int(i) for i in layers)
+        self.num_experts = num_experts
+        self.model = model
+        self.source = source
+        self._forwards: list[dict[int, np.ndarray]] = []
+        self._current: dict[int, np.ndarray] = {}
+        self._request_forwards: list[int] = []
+        self._top_k: int | None = None
+
+    def describe(self, *, layers: Sequence[int], num_experts: int, model: str = "") -> None:
+        """Fill in what the integration knows about the model (checked if already set)."""
+        layers = tuple(int(i) for i in layers)
+        if self.layers is not None and self.layers != layers:
+            raise ValueError(f"recorder was set up for layers {self.layers}, the model has {layers}")
+        if self.num_experts is not None and self.num_experts != num_experts:
+            raise ValueError(f"recorder expects {self.num_experts} experts, the model has {num_experts}")
+        self.layers, self.num_experts = layers, num_experts
+        self.model = self.model or model
+
+    @property
+    def num_forwards(self) -> int:
+        """Forward passes recorded so far (the one in progress included)."""
+        return len(self._forwards) + bool(self._current)
+
+    def begin_request(self) -> None:
+        """The next forward pass starts a new request."""
+        self._close_forward()
+        if not self._request_forwards or self._request_forwards[-1] != len(self._forwards):
+            self._request_forwards.append(len(self._forwards))
+
+    def record(self, layer: int, topk_ids: torch.Tensor | np.ndarray) -> None:
+        """Record one MoE layer's router choice.
+
+        Args:
+            layer: model layer index (one of ``layers``).
+            topk_ids: ``[T, K]`` integer global expert ids (any device; copied to the host).
+        """
+        if self.layers is None or layer not in self.layers:
+            raise ValueError(f"layer {layer} is not one of the recorder's layers {self.layers}")
+        ids = topk_ids.detach().cpu().numpy() if isinstance(topk_ids, torch.Tensor) else np.asarray(topk_ids)
+        ids = ids.reshape(-1, ids.shape[-1])
+        if ids.size and (ids.min() < -1 or ids.max() > _INT16_MAX):
+            raise ValueError(f"expert ids must be in [-1, {_INT16_MAX}] to be stored as int16")
+        if self._top_k is not None and ids.shape[1] != self._top_k:
+            raise ValueError(f"top-k changed from {self._top_k} to {ids.shape[1]} between calls")
+        if layer in self._current:
+            self._close_forward()
+        tokens = {other.shape[0] for other in self._current.values()}
+        if tokens and tokens != {ids.shape[0]}:
+            raise ValueError(
+                f"layer {layer} routed {ids.shape[0]} tokens, the other layers of this forward pass {tokens.pop()}"
+            )
+        self._top_k = ids.shape[1]
+        self._current[layer] = ids.astype(np.int16)
+
+    def trace(self) -> RoutingTrace:
+        """Everything recorded so far as a `RoutingTrace` (recording may continue after)."""
+        if self.layers is None or self.num_experts is None:
+            raise ValueError("the recorder does not know the model's layers yet (see describe)")
+        forwards = self._forwards + ([self._current] if self._current else [])
+        blocks, starts, total = [], [], 0
+        forward_token = []
+        for forward in forwards:
+            block = self._forward_block(forward)
+            forward_token.append(total)
+            if block.shape[0]:
+                starts.append(total)
+            blocks.append(block)
+            total += block.shape[0]
+        top_k = blocks[0].shape[2] if blocks else 0
+        expert_ids = np.concatenate(blocks) if blocks else np.zeros((0, len(self.layers), top_k), np.int16)
+        requests = sorted({forward_token[f] for f in self._request_forwards if f < len(forwards)})
+        return RoutingTrace(
+            expert_ids=expert_ids,
+            forward_starts=np.array(starts, dtype=np.int64),
+            request_starts=np.array(requests, dtype=np.int64),
+            layers=np.array(self.layers, dtype=np.int64),
+            num_experts=int(self.num_experts),
+            model=self.model,
+            source=self.source,
+        )
+
+    def _close_forward(self) -> None:
+        if self._current:
+            self._forwards.append(self._current)
+            self._current = {}
+
+    def _forward_block(self, forward: dict[int, np.ndarray]) -> np.ndarray:
+        tokens, top_k = next(iter(forward.values())).shape
+        assert self.layers is not None
+        block = np.full((tokens, len(self.layers), top_k), -1, dtype=np.int16)
+        for layer, ids in forward.items():
+            block[:, self.layers.index(layer)] = ids
+        return block

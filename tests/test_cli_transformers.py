@@ -1,0 +1,143 @@
+"""The command line: engine flags, ``expertcache generate`` on a saved checkpoint, the demo.
+
+Bad requests fail at once with a message naming the problem (argparse's exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from transformers_helpers import TINY, tiny_model
+
+from expertcache.cli import add_cache_arguments, cache_config_from_args, main
+from expertcache.config import DEFAULT_BUDGET, ExpertCacheConfig, parse_byte_size
+from expertcache.integrations.transformers.random_models import ModelSizes
+from expertcache.trace import RoutingTrace
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engine")
+    add_cache_arguments(parser)
+    return parser
+
+
+def test_flags_build_the_config():
+    args = _engine_parser().parse_args(
+        ["--moe-expert-cache-size", "16", "--moe-expert-cache-budget", "per-layer",
+         "--moe-pin-budget", "1.5GiB"]
+    )  # fmt: skip
+    assert cache_config_from_args(args) == ExpertCacheConfig(
+        cache_size=16, policy="lru", budget="per-layer", pin_budget_bytes=int(1.5 * 2**30)
+    )
+    defaults = _engine_parser().parse_args(["--moe-expert-cache-size", "2"])
+    assert cache_config_from_args(defaults).budget == DEFAULT_BUDGET
+
+
+def test_no_size_flag_means_no_cache():
+    assert cache_config_from_args(_engine_parser().parse_args([])) is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--moe-expert-cache-size", "0"], "must be at least 1"),
+        (["--moe-expert-cache-size", "many"], "must be a whole number"),
+        (["--moe-expert-cache-policy", "fifo"], "invalid choice"),
+        (["--moe-expert-cache-budget", "all"], "invalid choice"),
+        (["--moe-pin-budget", "lots"], "not a byte size"),
+    ],
+)
+def test_malformed_flags_are_rejected_by_the_parser(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _engine_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("1048576", 2**20), ("500MB", 500 * 10**6), ("64GiB", 64 * 2**30), ("1.5 kb", 1500)],
+)
+def test_byte_sizes(text, expected):
+    assert parse_byte_size(text) == expected
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Qwen2-MoE saved with save_pretrained (no tokenizer: prompts are token ids)."""
+    path = tmp_path_factory.mktemp("qwen2_moe")
+    tiny_model("qwen2_moe").save_pretrained(path)
+    return path
+
+
+def test_generate_on_a_saved_checkpoint(checkpoint, capsys, tmp_path):
+    trace_file = tmp_path / "trace.npz"
+    status = main(
+        ["generate", "--model", str(checkpoint), "--moe-expert-cache-size", "4",
+         "--prompt", "5 6 7 8", "--max-new-tokens", "8", "--device", "cpu", "--compare",
+         "--save-trace", str(trace_file)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "2 MoE layers x 8 experts, top-2" in out
+    assert "8 new tokens" in out and "hit rate" in out
+    assert "without the cache: identical tokens" in out
+    assert "routing trace: 11 tokens x 2 layers" in out
+    trace = RoutingTrace.load(trace_file)
+    assert trace.request_starts.tolist() == [0] and trace.forward_starts.tolist() == [0, *range(4, 11)]
+
+
+def _generate_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *argv])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_generate_missing_directory(tmp_path, capsys):
+    err = _generate_error(["--model", str(tmp_path / "nowhere"), "--moe-expert-cache-size", "4"], capsys)
+    assert "no such directory" in err
+
+
+def test_generate_directory_without_checkpoint(tmp_path, capsys):
+    err = _generate_error(["--model", str(tmp_path), "--moe-expert-cache-size", "4"], capsys)
+    assert "no config.json" in err
+
+
+def test_generate_needs_a_cache_size(checkpoint, capsys):
+    assert "needs --moe-expert-cache-size" in _generate_error(["--model", str(checkpoint)], capsys)
+
+
+@pytest.mark.parametrize("size", ["1", "9"])
+def test_generate_size_out_of_range(checkpoint, size, capsys):
+    err = _generate_error(["--model", str(checkpoint), "--moe-expert-cache-size", size], capsys)
+    assert "must be between 2 (the router's top-k) and 8 (experts per layer)" in err
+
+
+def test_generate_model_without_moe_layers(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    err = _generate_error(["--model", str(tmp_path), "--moe-expert-cache-size", "4"], capsys)
+    assert "has no MoE layers" in err
+
+
+@pytest.mark.parametrize("text", ["hello", "1 2 999999"])
+def test_generate_prompt_without_tokenizer_must_be_ids(checkpoint, text, capsys):
+    err = _generate_error(["--model", str(checkpoint), "--moe-expert-cache-size", "4", "--prompt", text], capsys)
+    assert "token ids" in err
+
+
+def test_demo_runs_identical_and_round_trips_its_trace(capsys, tmp_path):
+    from expertcache.demo import run_demo
+
+    sizes = ModelSizes(num_moe_layers=2, num_experts=8, top_k=2, hidden=TINY.hidden)
+    rows = run_demo(device="cpu", new_tokens=4, prompt_tokens=6, sizes=sizes, trace_path=tmp_path / "t.npz")
+    out = capsys.readouterr().out
+    assert len(rows) == 5 and all(row.identical for row in rows)
+    assert "9 tokens x 2 layers x top-2" in out and "read back: identical" in out
