@@ -145,7 +145,7 @@ def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
             repeats=20,
         )
         row = {"records": count, "mb": nbytes / 1e6, "copy_engine_gbps": nbytes / engine_ms / 1e6}
-        for programs, block in ((16, 4096), (64, 4096), (132, 4096), (64, 1024), (64, 16384), (132, 16384)):
+        for programs, block in ((16, 4096), (32, 4096), (64, 4096), (132, 4096), (64, 16384)):
             ms = cuda_time_ms(lambda programs=programs, block=block: kernel_copy(programs, block), repeats=20)
             row[f"kernel_{programs}x{block}_gbps"] = nbytes / ms / 1e6
         row["best_kernel_vs_pinned"] = max(v for k, v in row.items() if k.startswith("kernel_")) / copy_gbps
@@ -156,17 +156,14 @@ def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
 def make_cached(kind: str, store: CPUBackingStore, slots: int, top_k: int):
     if kind == "flashlib":
         return FlashlibLRUProvider(store, slots, top_k)
-    provider = CachedWeightProvider(store, cache_size=slots, mode=kind.split("-")[0])
-    if kind == "device-unfused":
-        provider.pool.fused_copy = False  # type: ignore[attr-defined]
-    return provider
+    return CachedWeightProvider(store, cache_size=slots, mode=kind)
 
 
 def bench_admission(store: CPUBackingStore, top_k: int, skip_flashlib: bool) -> list[dict]:
     """Per-call cost of admission (+ copy launch) at 100% hits, 100 calls in one CUDA graph."""
     rows = []
     ids = torch.arange(top_k, device="cuda").reshape(1, top_k)
-    kinds = ["device", "device-unfused"] + ([] if skip_flashlib else ["flashlib"])
+    kinds = ["device"] + ([] if skip_flashlib else ["flashlib"])
     for kind in kinds:
         provider = make_cached(kind, store, 4 * top_k, top_k)
         provider.prepare(ids)  # compile and make the experts resident
@@ -227,7 +224,6 @@ def main() -> None:
             ("(b) host-driven", "host", False),
             ("(c) device eager", "device", False),
             ("(d) device graph", "device", True),
-            ("(d') device graph, copy as 2nd launch", "device-unfused", True),
         ]
         if not args.skip_flashlib:
             variants.append(("(e) flashlib lru_ensure graph", "flashlib", True))

@@ -51,14 +51,12 @@ class DeviceSlotTable:
         out: torch.Tensor,
         source: torch.Tensor,
         slots: torch.Tensor,
-        *,
-        fused: bool = True,
     ) -> None:
         """Admit one call and copy its misses from ``source`` into ``slots`` (see `admit_and_copy`)."""
         self._started = True
         admit_and_copy(
             self.state, topk_ids, global_to_local, out, source, slots,
-            num_global=num_global, key_offset=key_offset, layer=layer_index, fused=fused,
+            num_global=num_global, key_offset=key_offset, layer=layer_index,
         )  # fmt: skip
 
     def expert_to_slot(self, layer_index: int, key_offset: int) -> np.ndarray:

@@ -190,13 +190,9 @@ class DeviceSlotPool(SlotPool):
 
     Same decisions as a host `SlotPool` with ``policy="lru"``. Attach every layer before
     the first call. The read-only views synchronise with the device.
-
-    ``fused_copy`` (default True): decode-sized calls copy their misses inside the admission
-    launch (one launch per call); False uses a second launch, kept to measure the difference.
     """
 
     mode = "device"
-    fused_copy = True
 
     def __init__(
         self,
@@ -219,7 +215,7 @@ class DeviceSlotPool(SlotPool):
         entry = self._layers[layer]
         self.device_table.admit(
             entry.index, entry.key_offset, topk_ids, entry.global_to_local, entry.num_global, out,
-            entry.store.records, self.records, fused=self.fused_copy,
+            entry.store.records, self.records,
         )  # fmt: skip
         return out
 

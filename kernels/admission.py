@@ -10,14 +10,15 @@ of the host `SlotTable` + `LRUPolicy`:
   that this call does not need; never-used slots carry last use -1, so free slots go
   first, lowest index first.
 
-Two kernels, one contract:
+Two kernels, one contract, each followed by the copy kernel (`copy_records`):
 
 * ``_admit_small_kernel`` (calls of at most ``SMALL_CALL`` ids: decode) deduplicates in
-  registers and, in the same launch, copies the misses: program 0 admits and publishes the
-  plan; programs 1..P wait for it, copy, and the last one out resets the flag. One launch per
-  layer and step, and a hit costs two dependent loads.
-* ``_admit_kernel`` (any size: prefill) deduplicates through a scatter-min table; the copy
-  kernel (`copy_records`) runs as a second launch.
+  registers; a hit costs two dependent loads (ids, expert -> slot).
+* ``_admit_kernel`` (any size: prefill) deduplicates through a scatter-min table.
+
+Copying inside the admission launch (programs 1..P waiting on a flag that program 0 sets)
+was measured and dropped: 4.97 us per call against 2.74 us for admission plus a separate
+copy launch, in a CUDA graph on an H200 (benchmarks/README.md).
 
 State tensors (all on the device)::
 
@@ -30,7 +31,6 @@ State tensors (all on the device)::
     plan_slot      [S] int32          out: destination slot of each miss
     miss_stamp     [S] int64          scratch
     plan_count     [1] int32          out: number of misses
-    copy_sync      [2] int32          plan published flag, finished copy programs (0 between calls)
     counters       [layers, 5] int64  hits, misses, evictions, calls, invalid ids
 """
 
@@ -43,18 +43,11 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import runs_on
-from expertcache.kernels.copy_records import (
-    DEFAULT_BLOCK,
-    DEFAULT_PROGRAMS,
-    copy_geometry,
-    copy_plan,
-    copy_planned_records,
-    warps_for,
-)
+from expertcache.kernels.copy_records import DEFAULT_BLOCK, DEFAULT_PROGRAMS, copy_planned_records
 
 FIRST_SEEN_EMPTY = 2**31 - 1
 COUNTERS = ("hits", "misses", "evictions", "calls", "invalid_ids")
-#: Largest call (T * K ids) served by the register kernel with its fused copy.
+#: Largest call (T * K ids) served by the register kernel.
 SMALL_CALL = 64
 _KEY_MAX = tl.constexpr(2**63 - 1)  # Triton kernels read only constexpr globals
 
@@ -114,64 +107,47 @@ def _count(counters_ptr, layer, hits, misses, evictions, invalid):
 def _admit_small_kernel(
     ids_ptr, global_to_local_ptr, out_ptr,
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr,
-    plan_expert_ptr, plan_slot_ptr, miss_stamp_ptr, plan_count_ptr, copy_sync_ptr, counters_ptr,
-    source_ptr, slots_ptr, record_words, chunks_per_record,
+    plan_expert_ptr, plan_slot_ptr, miss_stamp_ptr, plan_count_ptr, counters_ptr,
     num_ids, num_global, num_slots, key_offset, layer,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
-    COPY_PROGRAMS: tl.constexpr, COPY_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    if tl.program_id(0) == 0:
-        base = tl.load(clock_ptr)
-        positions = tl.arange(0, BLOCK_IDS)
-        in_bounds = positions < num_ids
-        local, key, is_local, invalid = _keys_of(
-            ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset, HAS_MAP
-        )
-        slot = tl.load(expert_to_slot_ptr + key, mask=is_local, other=-1)
-        same = (key[:, None] == key[None, :]) & is_local[:, None] & is_local[None, :]
-        earlier = same & (positions[None, :] < positions[:, None])
-        is_first = is_local & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
-        is_miss = is_first & (slot < 0)
-        ordinal = tl.cumsum(is_first.to(tl.int32), axis=0) - 1
-        miss_ordinal = tl.cumsum(is_miss.to(tl.int32), axis=0) - 1
-        num_unique = tl.sum(is_first.to(tl.int32), axis=0)
-        num_misses = tl.sum(is_miss.to(tl.int32), axis=0)
-        stamp = base + ordinal.to(tl.int64)
-        tl.store(last_use_ptr + slot, stamp, mask=is_first & (slot >= 0))
-        tl.store(plan_expert_ptr + miss_ordinal, local, mask=is_miss)
-        tl.store(miss_stamp_ptr + miss_ordinal, stamp, mask=is_miss)
-        num_evictions = 0
-        if num_misses > 0:
-            tl.debug_barrier()
-            num_evictions = _place_misses(
-                expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_expert_ptr, plan_slot_ptr, miss_stamp_ptr,
-                base, num_misses, num_slots, key_offset, BLOCK_SLOTS, SLOT_BITS,
-            )  # fmt: skip
-            tl.debug_barrier()
-            # every position of a missed key (first or repeat) takes its first's slot
-            missed = same & is_miss[None, :]
-            rank = tl.sum(tl.where(missed, miss_ordinal[None, :], 0), axis=1)
-            was_missed = tl.sum(missed.to(tl.int32), axis=1) > 0
-            slot = tl.where(was_missed, tl.load(plan_slot_ptr + rank, mask=was_missed, other=-1), slot)
-        tl.store(out_ptr + positions, tl.where(is_local, slot, -1).to(out_ptr.dtype.element_ty), mask=in_bounds)
-        tl.store(plan_count_ptr, num_misses)
-        tl.store(clock_ptr, base + num_unique.to(tl.int64))
-        num_invalid = tl.sum(invalid.to(tl.int32), axis=0)
-        _count(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, num_invalid)
-        if COPY_PROGRAMS > 0:
-            tl.debug_barrier()  # the whole plan is written before it is published
-            tl.atomic_xchg(copy_sync_ptr, 1, sem="release")
-    else:
-        while tl.atomic_add(copy_sync_ptr, 0, sem="acquire") == 0:
-            pass
-        count = tl.load(plan_count_ptr)
-        copy_plan(
-            source_ptr, slots_ptr, plan_expert_ptr, plan_slot_ptr, count,
-            record_words, chunks_per_record, tl.program_id(0) - 1, COPY_PROGRAMS, COPY_BLOCK,
+    base = tl.load(clock_ptr)
+    positions = tl.arange(0, BLOCK_IDS)
+    in_bounds = positions < num_ids
+    local, key, is_local, invalid = _keys_of(
+        ids_ptr, global_to_local_ptr, positions, in_bounds, num_global, key_offset, HAS_MAP
+    )
+    slot = tl.load(expert_to_slot_ptr + key, mask=is_local, other=-1)
+    same = (key[:, None] == key[None, :]) & is_local[:, None] & is_local[None, :]
+    earlier = same & (positions[None, :] < positions[:, None])
+    is_first = is_local & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
+    is_miss = is_first & (slot < 0)
+    ordinal = tl.cumsum(is_first.to(tl.int32), axis=0) - 1
+    miss_ordinal = tl.cumsum(is_miss.to(tl.int32), axis=0) - 1
+    num_unique = tl.sum(is_first.to(tl.int32), axis=0)
+    num_misses = tl.sum(is_miss.to(tl.int32), axis=0)
+    stamp = base + ordinal.to(tl.int64)
+    tl.store(last_use_ptr + slot, stamp, mask=is_first & (slot >= 0))
+    tl.store(plan_expert_ptr + miss_ordinal, local, mask=is_miss)
+    tl.store(miss_stamp_ptr + miss_ordinal, stamp, mask=is_miss)
+    num_evictions = 0
+    if num_misses > 0:
+        tl.debug_barrier()
+        num_evictions = _place_misses(
+            expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_expert_ptr, plan_slot_ptr, miss_stamp_ptr,
+            base, num_misses, num_slots, key_offset, BLOCK_SLOTS, SLOT_BITS,
         )  # fmt: skip
-        if tl.atomic_add(copy_sync_ptr + 1, 1, sem="acq_rel") == COPY_PROGRAMS - 1:
-            tl.atomic_xchg(copy_sync_ptr + 1, 0)  # the last copy program out resets the flags
-            tl.atomic_xchg(copy_sync_ptr, 0)
+        tl.debug_barrier()
+        # every position of a missed key (first or repeat) takes its first's slot
+        missed = same & is_miss[None, :]
+        rank = tl.sum(tl.where(missed, miss_ordinal[None, :], 0), axis=1)
+        was_missed = tl.sum(missed.to(tl.int32), axis=1) > 0
+        slot = tl.where(was_missed, tl.load(plan_slot_ptr + rank, mask=was_missed, other=-1), slot)
+    tl.store(out_ptr + positions, tl.where(is_local, slot, -1).to(out_ptr.dtype.element_ty), mask=in_bounds)
+    tl.store(plan_count_ptr, num_misses)
+    tl.store(clock_ptr, base + num_unique.to(tl.int64))
+    num_invalid = tl.sum(invalid.to(tl.int32), axis=0)
+    _count(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, num_invalid)
 
 
 @triton.jit
@@ -256,7 +232,6 @@ class AdmissionState:
     plan_slot: torch.Tensor
     miss_stamp: torch.Tensor
     plan_count: torch.Tensor
-    copy_sync: torch.Tensor
     counters: torch.Tensor
 
     @classmethod
@@ -274,7 +249,6 @@ class AdmissionState:
             plan_slot=full((num_slots,), -1, torch.int32),
             miss_stamp=full((num_slots,), 0, torch.int64),
             plan_count=full((1,), 0, torch.int32),
-            copy_sync=full((2,), 0, torch.int32),
             counters=full((num_layers, len(COUNTERS)), 0, torch.int64),
         )
 
@@ -290,7 +264,6 @@ def admit_and_copy(
     num_global: int,
     key_offset: int = 0,
     layer: int = 0,
-    fused: bool = True,
     copy_programs: int = DEFAULT_PROGRAMS,
     copy_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
@@ -307,7 +280,6 @@ def admit_and_copy(
         slots: ``[S, R]`` uint8 slot records.
         key_offset: first key of this layer in the pool's key space.
         layer: row of ``state.counters`` to count into.
-        fused: copy inside the admission launch (calls of at most ``SMALL_CALL`` ids).
         copy_programs, copy_block: copy grid and chunk size (32-bit words).
 
     The caller guarantees at most ``num_slots`` distinct local experts per call (always
@@ -323,19 +295,13 @@ def admit_and_copy(
     mapping = global_to_local if has_map else topk_ids
     common = dict(BLOCK_SLOTS=block_slots, SLOT_BITS=max(1, (block_slots - 1).bit_length()), HAS_MAP=has_map)
     if num_ids <= SMALL_CALL:
-        source_arg, slot_words, record_words, chunks = copy_geometry(source, slots, copy_block)
-        programs = copy_programs if fused else 0
-        _admit_small_kernel[(1 + programs,)](
+        _admit_small_kernel[(1,)](
             topk_ids, mapping, out,
             state.expert_to_slot, state.slot_to_key, state.last_use, state.clock,
-            state.plan_expert, state.plan_slot, state.miss_stamp, state.plan_count, state.copy_sync, state.counters,
-            source_arg, slot_words, record_words, chunks,
+            state.plan_expert, state.plan_slot, state.miss_stamp, state.plan_count, state.counters,
             num_ids, num_global, num_slots, key_offset, layer,
-            BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), COPY_PROGRAMS=programs, COPY_BLOCK=copy_block,
-            num_warps=warps_for(copy_block) if fused else 4, **common,
+            BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=4, **common,
         )  # fmt: skip
-        if fused:
-            return out
     else:
         _admit_kernel[(1,)](
             topk_ids, mapping, out,

@@ -25,7 +25,6 @@ STEPS = {"count": 0}
 
 class HostVersusDevice(RuleBasedStateMachine):
     device = "cpu"
-    fused_copy = True
 
     @initialize(num_local=st.integers(2, 9), num_layers=st.integers(1, 3), data=st.data())
     def build(self, num_local, num_layers, data):
@@ -40,7 +39,6 @@ class HostVersusDevice(RuleBasedStateMachine):
             SlotPool.for_weights(weights[0], slots, device=self.device),
             DeviceSlotPool(SlotPool.for_weights(weights[0], 1).layout, slots, device=self.device),
         ]
-        self.pools[1].fused_copy = self.fused_copy
         self.layers = [
             [CachedWeightProvider(w, pool=pool, layer=i, expert_map=expert_map) for i, w in enumerate(weights)]
             for pool in self.pools
@@ -106,11 +104,10 @@ class HostVersusDevice(RuleBasedStateMachine):
         assert torch.equal(self.pools[0].records, self.pools[1].records)
 
 
-@pytest.mark.parametrize("fused_copy", [True, False], ids=["copy in the admission launch", "separate copy launch"])
 @pytest.mark.parametrize("device", devices())
-def test_device_admission_equals_host_lru(device, fused_copy):
+def test_device_admission_equals_host_lru(device):
     STEPS["count"] = 0
-    machine = type("Machine", (HostVersusDevice,), {"device": device, "fused_copy": fused_copy})
+    machine = type("Machine", (HostVersusDevice,), {"device": device})
     run_state_machine_as_test(
         machine,
         settings=settings(
