@@ -15,7 +15,7 @@ import argparse
 import importlib
 import sys
 
-from expertcache.config import BUDGETS, DEFAULT_BUDGET, ExpertCacheConfig, parse_byte_size
+from expertcache.config import BUDGETS, DEFAULT_BUDGET, MODES, ExpertCacheConfig, parse_byte_size
 from expertcache.policies import POLICIES
 
 #: Modules that provide subcommands, in the order ``--help`` lists them.
@@ -27,7 +27,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
 
     ``--moe-expert-cache-size N`` (GPU slots per MoE layer; absent: no cache),
     ``--moe-expert-cache-policy`` (eviction policy), ``--moe-expert-cache-budget``
-    (``per-layer`` or ``global``) and ``--moe-pin-budget`` (e.g. ``64GiB``). Malformed values
+    (``per-layer`` or ``global``), ``--moe-expert-cache-mode`` (``host`` or ``device``) and
+    ``--moe-pin-budget`` (e.g. ``64GiB``). Malformed values
     are rejected by the parser at once.
     """
     group = parser.add_argument_group("expert cache (serve MoE experts from host memory)")
@@ -53,6 +54,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         f"layers share (default: {DEFAULT_BUDGET})",
     )
     group.add_argument(
+        "--moe-expert-cache-mode",
+        choices=MODES,
+        default="host",
+        help="host: admission on the host, any policy; device: admission on the GPU (lru only), "
+        "no host sync, CUDA-graph capturable (default: host)",
+    )
+    group.add_argument(
         "--moe-pin-budget",
         type=_byte_size,
         default=None,
@@ -76,6 +84,7 @@ def cache_config_from_args(args: argparse.Namespace) -> ExpertCacheConfig | None
         policy=args.moe_expert_cache_policy,
         budget=args.moe_expert_cache_budget,
         pin_budget_bytes=args.moe_pin_budget,
+        mode=args.moe_expert_cache_mode,
     )
 
 

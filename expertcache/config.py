@@ -9,6 +9,8 @@ One dataclass carries what the ``--moe-*`` flags say (see `expertcache.cli.add_c
                       "global": one pool shared by every layer, keys (layer, expert)
     pin_budget_bytes  refuse to pin more host memory than this (None: no limit)
     device            where the slots live (None: where the expert weights are)
+    mode              "host": admission on the host, any policy (default);
+                      "device": admission on the GPU (LRU), no host sync, CUDA-graph capturable
 
 Checks that need the model (cache_size against the number of experts) happen when the cache
 is enabled; everything that can be checked without it is checked here.
@@ -23,6 +25,9 @@ from expertcache.policies import POLICIES
 
 #: The two ways to split the slots among layers.
 BUDGETS = ("per-layer", "global")
+
+#: Where admission decisions are made (see `expertcache.cached_provider`).
+MODES = ("host", "device")
 
 #: The default budget. Chosen from replays of the real traces in ``shared/traces``
 #: (``benchmarks/budget_replay.py``; the figures are in the README): see the README.
@@ -55,6 +60,7 @@ class ExpertCacheConfig:
     budget: str = DEFAULT_BUDGET
     pin_budget_bytes: int | None = None
     device: str | None = None
+    mode: str = "host"
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_size, int) or isinstance(self.cache_size, bool):
@@ -64,6 +70,10 @@ class ExpertCacheConfig:
         if not isinstance(self.policy, str) or self.policy.lower() not in POLICIES:
             known = ", ".join(sorted(POLICIES))
             raise ValueError(f"unknown eviction policy {self.policy!r}; known policies: {known}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "device" and self.policy.lower() != "lru":
+            raise ValueError(f"mode 'device' implements only the lru policy, got {self.policy!r}")
         if self.budget not in BUDGETS:
             raise ValueError(f"budget must be one of {', '.join(BUDGETS)}, got {self.budget!r}")
         pin = self.pin_budget_bytes

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -159,11 +160,13 @@ class SlotPool:
         if not self._layers_this_forward:
             self.table.begin_forward()
         admission = self.table.admit([(layer, expert) for expert in experts])
-        for (owner, expert), _ in admission.evictions:
+        for key, _ in admission.evictions:
+            owner, expert = cast(tuple[Hashable, int], key)
             self._expert_to_slot[owner][expert] = -1
             self._version[owner] += 1
         store = self._layers[layer].store
-        for (_, expert), slot in admission.loads:
+        for key, slot in admission.loads:
+            expert = cast(tuple[Hashable, int], key)[1]
             # Pinned source, current stream: ordered before this call's kernels, and after
             # every earlier kernel that read the slot. The store never changes, so no sync.
             self.copy_record(self.records[slot], store.records[expert])

@@ -32,6 +32,17 @@ def test_flags_build_the_config():
     )
     defaults = _engine_parser().parse_args(["--moe-expert-cache-size", "2"])
     assert cache_config_from_args(defaults).budget == DEFAULT_BUDGET
+    assert cache_config_from_args(defaults).mode == "host"
+    device = _engine_parser().parse_args(["--moe-expert-cache-size", "2", "--moe-expert-cache-mode", "device"])
+    assert cache_config_from_args(device).mode == "device"
+
+
+def test_device_mode_with_another_policy_is_refused():
+    args = _engine_parser().parse_args(
+        ["--moe-expert-cache-size", "2", "--moe-expert-cache-mode", "device", "--moe-expert-cache-policy", "arc"]
+    )
+    with pytest.raises(ValueError, match="only the lru policy"):
+        cache_config_from_args(args)
 
 
 def test_no_size_flag_means_no_cache():
@@ -45,6 +56,7 @@ def test_no_size_flag_means_no_cache():
         (["--moe-expert-cache-size", "many"], "must be a whole number"),
         (["--moe-expert-cache-policy", "fifo"], "invalid choice"),
         (["--moe-expert-cache-budget", "all"], "invalid choice"),
+        (["--moe-expert-cache-mode", "gpu"], "invalid choice"),
         (["--moe-pin-budget", "lots"], "not a byte size"),
     ],
 )

@@ -26,14 +26,14 @@ SETTINGS = [
 ]
 
 
-def _generate_with_and_without(family, budget, device, dtype):
+def _generate_with_and_without(family, budget, device, dtype, mode="host"):
     model = tiny_model(family, dtype=dtype, device=device)
     if device == "cuda":  # generate() swaps grouped_mm for batched_mm on GPUs; fix one
         model.set_experts_implementation("batched_mm")
     tokens = prompt(device=device)
     reference = greedy_generate(model, tokens, NEW_TOKENS)
     reference_logits = logits_of(model, reference.tokens.to(device))
-    handle = enable_expert_cache(model, cache_size=CACHE_SIZE, budget=budget)
+    handle = enable_expert_cache(model, cache_size=CACHE_SIZE, budget=budget, mode=mode)
     cached = greedy_generate(model, tokens, NEW_TOKENS)
     cached_logits = logits_of(model, reference.tokens.to(device))
     return model, handle, reference, reference_logits, cached, cached_logits
@@ -55,6 +55,20 @@ def test_same_tokens_and_logits_with_the_cache(family, budget, device, dtype, to
     assert stats.total.evictions > 0, "the cache must be smaller than the experts it serves"
     assert stats.total.hits + stats.total.misses > 0
     assert handle.slot_bytes < handle.expert_bytes
+    handle.disable()
+
+
+@pytest.mark.parametrize("device, dtype, tolerance", SETTINGS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_device_mode_gives_the_same_tokens(family, device, dtype, tolerance):
+    """Admission on the device (interpreted on a CPU): same tokens, logits and LRU counts."""
+    _, handle, reference, reference_logits, cached, cached_logits = _generate_with_and_without(
+        family, "global", device, dtype, mode="device"
+    )
+    assert torch.equal(cached.tokens, reference.tokens)
+    scale = reference_logits.abs().max().item()
+    torch.testing.assert_close(cached_logits, reference_logits, rtol=0, atol=tolerance * scale)
+    assert handle.stats.total.evictions > 0 and handle.stats.total.invalid_ids == 0
     handle.disable()
 
 

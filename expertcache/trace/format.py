@@ -118,7 +118,7 @@ class RoutingTrace:
             expert_ids=self.expert_ids,
             forward_starts=self.forward_starts,
             request_starts=self.request_starts,
-            layers=self.layers,
+            layers=np.asarray(self.layers),
             meta=np.array(json.dumps(meta)),
         )
 

@@ -142,6 +142,7 @@ def enable_expert_cache(
     device: str | torch.device | None = None,
     pin_budget_bytes: int | None = None,
     recorder: RoutingRecorder | None = None,
+    mode: str | None = None,
 ) -> ExpertCacheHandle | None:
     """Serve every routed-expert block of a transformers (5.x) model through the cache.
 
@@ -157,6 +158,7 @@ def enable_expert_cache(
         device: where the slots live (default: where the expert weights are now).
         pin_budget_bytes: refuse, before pinning anything, to pin more host memory in all.
         recorder: a `RoutingRecorder` that receives every MoE layer's ``topk_ids``.
+        mode: ``"host"`` (default) or ``"device"`` (GPU admission, LRU, CUDA-graph capturable).
 
     Returns:
         An `ExpertCacheHandle` (``stats``, ``disable()``, ``config``); None for ``config=None``.
@@ -169,7 +171,7 @@ def enable_expert_cache(
     """
     if config is None:
         return None
-    config = _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes)
+    config = _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes, mode)
     if any(dispatch.is_bound(module) for module in model.modules()):
         raise RuntimeError("the expert cache is already enabled on this model; disable() it first")
     blocks = check_cache_size(model, config.cache_size)
@@ -224,16 +226,19 @@ def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
     return blocks
 
 
-def _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes) -> ExpertCacheConfig:
+def _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes, mode) -> ExpertCacheConfig:
     if config is not _UNSET:
         if not isinstance(config, ExpertCacheConfig):
             raise TypeError(f"config must be an ExpertCacheConfig or None, got {type(config).__name__}")
-        if cache_size is not None or budget is not None or device is not None or pin_budget_bytes is not None:
+        settings = (cache_size, budget, device, pin_budget_bytes, mode)
+        if any(setting is not None for setting in settings):
             raise TypeError("give either config or the keyword settings, not both")
         return config
     if cache_size is None:
         raise TypeError("enable_expert_cache needs cache_size (GPU slots per MoE layer) or a config")
     extra = {"budget": budget} if budget is not None else {}
+    if mode is not None:
+        extra["mode"] = mode
     device_name = None if device is None else str(device)
     return ExpertCacheConfig(cache_size, policy, pin_budget_bytes=pin_budget_bytes, device=device_name, **extra)
 

@@ -19,7 +19,7 @@ from expertcache.config import ExpertCacheConfig
 from expertcache.errors import PinBudgetError
 from expertcache.integrations.transformers.discovery import ExpertBlock
 from expertcache.layout import RecordLayout, layout_from_weights
-from expertcache.slot_pool import SlotPool
+from expertcache.slot_pool import DeviceSlotPool, SlotPool
 
 
 @dataclass
@@ -79,12 +79,15 @@ def shared_pool(blocks, layouts, config: ExpertCacheConfig, target: torch.device
                 f"budget 'global' needs every MoE layer's experts to have the same shapes, but "
                 f"{block.name} differs from {blocks[0].name}; use budget 'per-layer'"
             )
-    return SlotPool(layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy)
+    pool_class = DeviceSlotPool if config.mode == "device" else SlotPool
+    return pool_class(layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy)
 
 
 def _provider(block, config: ExpertCacheConfig, target, pool) -> CachedWeightProvider:
     if pool is None:
-        return CachedWeightProvider(_weights(block), cache_size=config.cache_size, device=target, policy=config.policy)
+        return CachedWeightProvider(
+            _weights(block), cache_size=config.cache_size, device=target, policy=config.policy, mode=config.mode
+        )
     return CachedWeightProvider(_weights(block), pool=pool, layer=block.name)
 
 
