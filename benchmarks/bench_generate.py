@@ -47,6 +47,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     parser.add_argument("--budget", choices=("per-layer", "global"), default="global")
+    parser.add_argument("--modes", nargs="+", choices=("host", "device"), default=["host", "device"])
     parser.add_argument(
         "--experts-implementation",
         default="batched_mm",
@@ -101,10 +102,11 @@ def main() -> None:
     baseline = greedy_generate(model, prompt, args.new_tokens, progress="no cache")
     expert_bytes = sum(p.nbytes for n, p in model.named_parameters() if ".experts." in n)
     rows = [_row("no cache", None, baseline, baseline, None, expert_bytes, expert_bytes)]
-    for fraction in args.fractions:
+    runs = [(mode, fraction) for mode in args.modes for fraction in args.fractions]
+    for mode, fraction in runs:
         cache_size = max(args.top_k, round(fraction * args.experts))
-        recorder = RoutingRecorder() if fraction == args.fractions[-1] else None
-        handle = enable_expert_cache(model, cache_size=cache_size, budget=args.budget, recorder=recorder)
+        recorder = RoutingRecorder() if (mode, fraction) == runs[-1] else None
+        handle = enable_expert_cache(model, cache_size=cache_size, budget=args.budget, recorder=recorder, mode=mode)
         greedy_generate(model, prompt, args.warmup_tokens)
         before = handle.stats.total
         if recorder is not None:
@@ -112,7 +114,7 @@ def main() -> None:
             decode_from = recorder.trace().num_tokens + args.prompt_tokens
         run = greedy_generate(model, prompt, args.new_tokens, progress=f"cache {fraction:.0%}")
         stats = _difference(handle.stats.total, before)
-        rows.append(_row(f"{fraction:.0%}", cache_size, run, baseline, stats, handle.slot_bytes, expert_bytes))
+        rows.append(_row(f"{mode} {fraction:.0%}", cache_size, run, baseline, stats, handle.slot_bytes, expert_bytes))
         handle.disable()
     _print(rows)
     print(_routing_spread(recorder, decode_from))
@@ -135,7 +137,7 @@ def _row(label, cache_size, run, baseline, stats, device_bytes, expert_bytes) ->
 
 def _print(rows: list[dict]) -> None:
     header = (
-        f"{'cache':>8} {'slots/layer':>11} {'tok/s':>8} {'tokens ==':>9} {'hit rate':>8} "
+        f"{'cache':>12} {'slots/layer':>11} {'tok/s':>8} {'tokens ==':>9} {'hit rate':>8} "
         f"{'MB copied':>10} {'expert MB on GPU':>16} {'peak MB':>9}"
     )
     print(header)
@@ -143,7 +145,7 @@ def _print(rows: list[dict]) -> None:
     for r in rows:
         hit = "-" if r["hit_rate"] == "" else f"{r['hit_rate']:.1%}"
         print(
-            f"{r['cache']:>8} {r['cache_size']!s:>11} {r['tokens_per_s']:>8.1f} "
+            f"{r['cache']:>12} {r['cache_size']!s:>11} {r['tokens_per_s']:>8.1f} "
             f"{'yes' if r['identical_tokens'] else 'NO':>9} {hit:>8} {r['mb_copied']:>10.1f} "
             f"{r['expert_mb_on_device']:>16.1f} {r['peak_mb']!s:>9}"
         )

@@ -30,7 +30,7 @@ for step in $steps; do
     decode-deepseek) timeout 400 python3 benchmarks/bench_decode.py --shape deepseek-v3 2>&1 | tee "$OUT/bench_decode_deepseek.log" ;;
     demo) timeout 300 python3 -m expertcache.cli demo 2>&1 | tee "$OUT/demo.log" ;;
     families) timeout 300 python3 benchmarks/family_equivalence.py --device cuda 2>&1 | tee "$OUT/family_equivalence.log" ;;
-    generate) timeout 500 python3 benchmarks/bench_generate.py 2>&1 | tee "$OUT/bench_generate.log" ;;
+    generate) timeout 420 python3 benchmarks/bench_generate.py --layers 12 2>&1 | tee "$OUT/bench_generate.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
