@@ -19,7 +19,7 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/instal
   export PYTHONPATH=/tmp/src:$PYTHONPATH
   echo "editable install failed (see install.log); using /tmp/src"
 fi
-export EXPERTCACHE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export EXPERTCACHE_COMMIT=${EXPERTCACHE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 steps=${*:-tests prepare decode decode-deepseek}
 for step in $steps; do
   echo "=== $step"
