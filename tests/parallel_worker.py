@@ -91,7 +91,7 @@ def check_summary(layer, partition, expected_lookups, pacing) -> None:
         assert manifest["rank"] == rank and manifest["experts"] == experts
         assert set(manifest["resident"]) <= set(experts)
         assert manifest["host_bytes"] == len(experts) * manifest["record_bytes"]
-        assert manifest["gpu_bytes"] == CACHE_SIZE * manifest["record_bytes"]
+        assert manifest["pool_gpu_bytes"] == CACHE_SIZE * manifest["record_bytes"]
         assert manifest["stats"]["misses"] == gathered.per_rank[rank].misses
     record_bytes = manifests[layer.rank]["record_bytes"]
     paced = layer.pacer.stats

@@ -2,9 +2,8 @@
 
 `gather_stats` all-gathers each rank's `CacheStats` (exact integer counters) so every rank
 sees the per-rank figures and their sum. `rank_manifest` describes what one rank holds for
-one layer, from the real allocations (store, slot buffers); `gather_manifests` collects
-them from all ranks. (The provider-level ``manifest()`` of issue 5 had not landed when this
-was written; the fields below come from the provider's store and pool directly.)
+one layer (the provider's manifest plus the rank's experts); `gather_manifests` collects
+them from all ranks.
 """
 
 from __future__ import annotations
@@ -62,33 +61,17 @@ def rank_manifest(layer: ExpertParallelMoE) -> dict[str, Any]:
     """What this rank holds for ``layer``, JSON-serialisable.
 
     Returns:
-        ``rank``, ``world_size``, ``scheme``, ``experts`` (owned global ids),
-        ``resident`` (global ids in slots now), ``num_slots``, ``record_bytes`` (one
-        expert, with alignment), ``payload_bytes`` (one expert, without), ``tensors``
-        (name, per-expert shape, dtype, bytes), ``host_bytes`` and ``pinned_bytes`` of the
-        backing store, ``gpu_bytes`` of the slot buffers (on ``device``),
-        ``full_residency_bytes`` (all owned experts on the device) and ``stats``.
+        the provider's manifest (`expertcache.manifest.Manifest.to_dict`: tensors, slots,
+        record, pool, host and pinned bytes) plus ``rank``, ``world_size``, ``scheme``,
+        ``experts`` (owned global ids), ``resident`` (global ids in slots now) and ``stats``.
     """
-    provider = layer.local.provider
-    store, pool = provider.store, provider.pool
-    layout = pool.layout
     return {
+        **layer.local.provider.manifest().to_dict(),
         "rank": layer.rank,
         "world_size": layer.world_size,
         "scheme": layer.local.partition.scheme,
-        "experts": list(layer.local.global_ids),
+        "experts": list(layer.local.global_ids),  # the ids themselves, not only their count
         "resident": sorted(layer.resident_experts()),
-        "num_slots": pool.num_slots,
-        "record_bytes": layout.record_bytes,
-        "payload_bytes": layout.payload_bytes,
-        "tensors": [
-            {"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype), "bytes": s.nbytes} for s in layout.specs
-        ],
-        "host_bytes": store.nbytes,
-        "pinned_bytes": store.nbytes if store.pinned else 0,
-        "device": str(pool.device),
-        "gpu_bytes": pool.nbytes,
-        "full_residency_bytes": store.num_experts * layout.record_bytes,
         "stats": dataclasses.asdict(layer.stats),
     }
 
