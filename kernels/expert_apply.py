@@ -184,3 +184,8 @@ def _check(hidden, w1, w2, topk_weights, topk_ids) -> None:
         raise ValueError("topk_ids and topk_weights must both be [T, K] with T = hidden.shape[0]")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not hidden.is_floating_point() or not topk_weights.is_floating_point():
+        raise TypeError(f"hidden and topk_weights must be floating point, got {hidden.dtype}, {topk_weights.dtype}")
+    for name, tensor in (("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if tensor.device != hidden.device:
+            raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")

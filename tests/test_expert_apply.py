@@ -63,6 +63,11 @@ def test_moe_apply_rejects_bad_shapes():
     w = random_weights(4, 16, 8)
     with pytest.raises(ValueError, match="disagree"):
         moe_apply(torch.randn(1, 8), w["w1"], w["w2"], torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.long))
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(TypeError, match="floating point"):
+        moe_apply(torch.ones(1, 16, dtype=torch.long), w["w1"], w["w2"], torch.rand(1, 2), ids)
+    with pytest.raises(ValueError, match="is on meta"):
+        moe_apply(torch.randn(1, 16), w["w1"], w["w2"].to("meta"), torch.rand(1, 2), ids)
     with pytest.raises(ValueError, match="contiguous"):
         moe_apply(torch.randn(1, 16), w["w1"].transpose(1, 2).contiguous().transpose(1, 2), w["w2"],
                   torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.long))  # fmt: skip
