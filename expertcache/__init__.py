@@ -13,7 +13,7 @@ from expertcache.cached_provider import CachedWeightProvider
 from expertcache.errors import CacheCapacityError, PinBudgetError
 from expertcache.provider import ExpertWeightProvider, FullGPUProvider
 from expertcache.result import ExpertWeightResult
-from expertcache.slot_pool import SlotPool
+from expertcache.slot_pool import DeviceSlotPool, SlotPool
 from expertcache.stats import CacheStats
 
 __version__ = "0.1.0"
@@ -22,6 +22,7 @@ __all__ = [
     "CacheCapacityError",
     "CacheStats",
     "CachedWeightProvider",
+    "DeviceSlotPool",
     "ExpertWeightProvider",
     "ExpertWeightResult",
     "FullGPUProvider",
