@@ -26,12 +26,13 @@ DEFAULT_BLOCK = 4096  # 32-bit words per chunk (16 KiB)
 
 
 @triton.jit
-def copy_plan(
-    source_ptr, slots_ptr, plan_expert_ptr, plan_slot_ptr, count,
-    record_words, chunks_per_record, program, num_programs, BLOCK: tl.constexpr,
+def _copy_records_kernel(
+    source_ptr, slots_ptr, plan_expert_ptr, plan_slot_ptr, plan_count_ptr,
+    record_words, chunks_per_record,
+    BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):  # fmt: skip
-    """Device helper: this program's share of ``count`` planned record copies."""
-    for work in range(program, count * chunks_per_record, num_programs):
+    count = tl.load(plan_count_ptr).to(tl.int32)
+    for work in range(tl.program_id(0), count * chunks_per_record, NUM_PROGRAMS):
         rank = work // chunks_per_record
         chunk = work % chunks_per_record
         expert = tl.load(plan_expert_ptr + rank).to(tl.int64)
@@ -40,19 +41,6 @@ def copy_plan(
         in_record = offsets < record_words
         words = tl.load(source_ptr + expert * record_words + offsets, mask=in_record)
         tl.store(slots_ptr + slot * record_words + offsets, words, mask=in_record)
-
-
-@triton.jit
-def _copy_records_kernel(
-    source_ptr, slots_ptr, plan_expert_ptr, plan_slot_ptr, plan_count_ptr,
-    record_words, chunks_per_record,
-    BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-):  # fmt: skip
-    count = tl.load(plan_count_ptr).to(tl.int32)
-    copy_plan(
-        source_ptr, slots_ptr, plan_expert_ptr, plan_slot_ptr, count,
-        record_words, chunks_per_record, tl.program_id(0), NUM_PROGRAMS, BLOCK,
-    )  # fmt: skip
 
 
 def copy_geometry(source: torch.Tensor, slots: torch.Tensor, block: int) -> tuple[object, torch.Tensor, int, int]:
