@@ -5,15 +5,16 @@ hottest ones. Before each fused-MoE call a provider turns the router's ``topk_id
 slot ids, copying misses in and evicting cold experts::
 
     router -> topk_ids -> provider.prepare(topk_ids) -> ExpertWeightResult -> fused MoE kernel
+                          plan (host policy | device LRU), move (copies), commit + remap
 
 The cache is a weight provider, not a second forward path.
 """
 
 from expertcache.cached_provider import CachedWeightProvider
-from expertcache.errors import CacheCapacityError, PinBudgetError
+from expertcache.errors import CacheCapacityError, ConcurrentUseError, PinBudgetError
 from expertcache.provider import ExpertWeightProvider, FullGPUProvider
 from expertcache.result import ExpertWeightResult
-from expertcache.slot_pool import DeviceSlotPool, SlotPool
+from expertcache.slot_pool import SlotPool
 from expertcache.stats import CacheStats
 
 __version__ = "0.1.0"
@@ -22,7 +23,7 @@ __all__ = [
     "CacheCapacityError",
     "CacheStats",
     "CachedWeightProvider",
-    "DeviceSlotPool",
+    "ConcurrentUseError",
     "ExpertWeightProvider",
     "ExpertWeightResult",
     "FullGPUProvider",

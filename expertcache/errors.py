@@ -1,7 +1,8 @@
 """Exceptions raised by expertcache.
 
-Every error is raised before the cache changes: after any exception the slot tables, the
-policy, the statistics and the slot contents are exactly as they were before the call.
+Every error leaves the cache as it was: after any exception (including one raised half-way
+through a call, which is rolled back) the slot tables, the policy, the statistics and the
+slot contents are exactly as they were before the call.
 """
 
 from __future__ import annotations
@@ -38,3 +39,7 @@ class PinBudgetError(ValueError):
             f"pin_budget_bytes is {budget} ({budget / 2**30:.2f} GiB); nothing was pinned. "
             f"Raise the budget (--moe-pin-budget) or serve fewer experts from this process"
         )
+
+
+class ConcurrentUseError(RuntimeError):
+    """A slot pool was entered by a second thread while a call was in flight."""

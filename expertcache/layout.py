@@ -1,13 +1,16 @@
-"""Per-expert tensor registration and the byte layout of one expert's record.
+"""Per-expert tensor registration and where each tensor lives in a buffer of experts.
 
 A quant method declares the tensors one expert has (name, per-expert shape, dtype); the
-cache stores them as opaque bytes, one contiguous *record* per expert::
+cache stores them as opaque bytes by name. A buffer holding ``n`` experts (the host store:
+``n = E``; the GPU slot pool: ``n = S``) is one allocation carved into one contiguous
+*region* per name::
 
-    record of expert e:  [ w1 bytes | pad | w2 bytes | pad | w1_scale bytes | pad | ... ]
+    buffer:  [ w1: [n, 2I, H] | pad | w2: [n, H, I] | pad | w1_scale: [n, ...] | pad | ... ]
 
-so one expert moves host -> GPU in a single copy however many small tensors (scales,
-biases) it has. Fields start on ``ALIGNMENT``-byte boundaries, which keeps every per-expert
-matrix aligned for vectorised loads. A format the cache has never seen needs no cache code.
+so every tensor handed to a kernel is a contiguous ``[n, *shape]`` array: expert (or slot)
+``s`` of tensor ``t`` starts at ``t.data_ptr() + s * t[0].nbytes``. Regions start on
+``ALIGNMENT``-byte boundaries (vectorised loads, and any region can be copied in 32-bit
+words when its sizes allow). A format the cache has never seen needs no cache code.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: Byte alignment of every field inside a record (and of the record size).
+#: Byte alignment of every region inside a buffer.
 ALIGNMENT = 256
 
 REQUIRED = ("w1", "w2")
@@ -43,59 +46,68 @@ def _align(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class RecordLayout:
-    """Where each registered tensor sits inside one expert's record.
+class ExpertLayout:
+    """The registered tensors of one expert and how buffers of experts are laid out.
 
     Attributes:
         specs: the registered tensors, ``w1`` and ``w2`` first, then the rest by name.
-        offsets: byte offset of each spec's field inside a record.
-        record_bytes: bytes of one record (a multiple of ``ALIGNMENT``).
     """
 
     specs: tuple[ExpertTensorSpec, ...]
-    offsets: tuple[int, ...]
-    record_bytes: int
-
-    @classmethod
-    def from_specs(cls, specs: tuple[ExpertTensorSpec, ...]) -> RecordLayout:
-        offsets, cursor = [], 0
-        for spec in specs:
-            offsets.append(cursor)
-            cursor = _align(cursor + spec.nbytes)
-        return cls(tuple(specs), tuple(offsets), max(cursor, ALIGNMENT))
 
     @property
-    def payload_bytes(self) -> int:
-        """Bytes of real data in one record (without alignment padding)."""
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (every tensor): what one miss copies and one slot holds."""
         return sum(spec.nbytes for spec in self.specs)
 
-    def views(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views ``{name: [N, *shape]}`` into ``records`` (``[N, record_bytes]`` uint8).
+    @property
+    def copy_unit(self) -> int:
+        """Largest word (4, 2 or 1 bytes) that divides every tensor's per-expert bytes."""
+        return math.gcd(4, *(spec.nbytes for spec in self.specs))
 
-        The views share memory with ``records``; each expert's tensor is contiguous.
+    def region_offsets(self, count: int) -> tuple[int, ...]:
+        """Byte offset of each spec's region in a buffer of ``count`` experts."""
+        offsets, cursor = [], 0
+        for spec in self.specs:
+            offsets.append(cursor)
+            cursor = _align(cursor + count * spec.nbytes)
+        return tuple(offsets)
+
+    def buffer_bytes(self, count: int) -> int:
+        """Bytes of a buffer holding ``count`` experts (regions and their alignment padding)."""
+        last = self.specs[-1]
+        return max(_align(self.region_offsets(count)[-1] + count * last.nbytes), ALIGNMENT)
+
+    def views(self, buffer: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
+        """Typed contiguous views ``{name: [count, *shape]}`` into ``buffer`` (uint8, 1-D).
+
+        The views share memory with ``buffer``; each is contiguous.
         """
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != self.buffer_bytes(count):
+            raise ValueError(f"buffer must be 1-D uint8 of {self.buffer_bytes(count)} bytes for {count} experts")
         out = {}
-        for spec, offset in zip(self.specs, self.offsets, strict=True):
-            field = records[:, offset : offset + spec.nbytes]
-            out[spec.name] = field.view(spec.dtype).view(records.shape[0], *spec.shape)
+        for spec, offset in zip(self.specs, self.region_offsets(count), strict=True):
+            region = buffer[offset : offset + count * spec.nbytes]
+            out[spec.name] = region.view(spec.dtype).view(count, *spec.shape)
         return out
 
-    def check_compatible(self, other: RecordLayout, *, what: str) -> None:
+    def check_compatible(self, other: ExpertLayout, *, what: str) -> None:
         """Raise ValueError when ``other`` registers different tensors than ``self``."""
         if self.specs != other.specs:
             raise ValueError(f"{what} registers {other.specs}, but the slot pool holds {self.specs}")
 
 
-def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, RecordLayout]:
-    """Validate a ``{name: [E, ...]}`` mapping and derive its record layout.
+def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, ExpertLayout]:
+    """Validate a ``{name: [E, ...]}`` mapping and derive its layout.
 
     Returns:
         ``(num_experts, layout)``.
 
     Raises:
         TypeError: ``weights`` is not a mapping of names to tensors.
-        ValueError: ``w1`` or ``w2`` is missing, a tensor has no expert dimension, the
-            tensors disagree on the number of experts, or ``w1``/``w2`` shapes disagree.
+        ValueError: ``w1`` or ``w2`` is missing, a tensor has no expert dimension or lives
+            on the meta device, the tensors disagree on the number of experts, or
+            ``w1``/``w2`` shapes disagree.
     """
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights must map names to tensors, got {type(weights).__name__}")
@@ -104,6 +116,8 @@ def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, Recor
             raise TypeError(f"weights must map str names to tensors; entry {name!r} is not")
         if tensor.dim() < 1:
             raise ValueError(f"weights[{name!r}] has no expert dimension (shape {tuple(tensor.shape)})")
+        if tensor.is_meta:
+            raise ValueError(f"weights[{name!r}] is on the meta device: it holds no data to cache")
     missing = [name for name in REQUIRED if name not in weights]
     if missing:
         raise ValueError(f"weights lacks {missing}; 'w1' [E, 2I, H] and 'w2' [E, H, I] are required")
@@ -118,7 +132,7 @@ def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, Recor
     specs = tuple(
         ExpertTensorSpec(name, tuple(weights[name].shape[1:]), weights[name].dtype) for name in (*REQUIRED, *rest)
     )
-    return num_experts, RecordLayout.from_specs(specs)
+    return num_experts, ExpertLayout(specs)
 
 
 def _check_matrix_shapes(w1: torch.Tensor, w2: torch.Tensor) -> None:

@@ -2,15 +2,15 @@
 
 Built from the live objects, not from arithmetic on the configuration: the slot pool's
 bytes are the size of its GPU buffer's storage, the host bytes the size of each backing
-store's record buffer (pinned ones counted as pinned), so the manifest shows what the
+store's buffer (pinned ones counted as pinned), so the manifest shows what the
 process holds. One provider gives a layer's manifest; several (a model) give the sum,
 each shared pool counted once::
 
-    {"tensors": [{"name", "shape", "dtype", "bytes"}], "layers", "experts", "record_bytes",
+    {"tensors": [{"name", "shape", "dtype", "bytes"}], "layers", "experts", "expert_bytes",
      "num_slots", "pool_gpu_bytes", "host_bytes", "pinned_host_bytes",
      "full_residency_gpu_bytes", "gpu_bytes_freed", "device"}
 
-``expertcache plan --manifest FILE`` reads ``record_bytes`` (the bytes one miss copies and
+``expertcache plan --manifest FILE`` reads ``expert_bytes`` (the bytes one miss copies and
 one slot holds) from it.
 """
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from expertcache.cached_provider import CachedWeightProvider
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +46,10 @@ class Manifest:
         tensors: the per-expert tensors every layer registers.
         layers: cached layers covered.
         experts: experts summed over those layers (local experts under EP).
-        record_bytes: bytes of one expert's record: what one miss copies, one slot holds.
+        expert_bytes: bytes of one expert (all its tensors): what one miss copies, one slot holds.
         num_slots: slots of the distinct pools.
         pool_gpu_bytes: bytes of the distinct pools' slot buffers.
-        host_bytes: bytes of the backing stores' records.
+        host_bytes: bytes of the backing stores' buffers.
         pinned_host_bytes: the part of ``host_bytes`` that is pinned (page-locked).
         full_residency_gpu_bytes: bytes the same experts take fully resident (unpadded).
         gpu_bytes_freed: ``full_residency_gpu_bytes - pool_gpu_bytes`` (negative if larger).
@@ -59,7 +59,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     layers: int
     experts: int
-    record_bytes: int
+    expert_bytes: int
     num_slots: int
     pool_gpu_bytes: int
     host_bytes: int
@@ -107,9 +107,9 @@ def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:
         layout.check_compatible(provider.pool.layout, what="a provider")
     pools = {id(provider.pool): provider.pool for provider in providers}.values()
     stores = [provider.store for provider in providers]
-    pool_bytes = sum(pool.records.untyped_storage().nbytes() for pool in pools)
-    host = [store.records.untyped_storage().nbytes() for store in stores]
-    full = sum(store.num_experts for store in stores) * layout.payload_bytes
+    pool_bytes = sum(pool.buffer.untyped_storage().nbytes() for pool in pools)
+    host = [store.buffer.untyped_storage().nbytes() for store in stores]
+    full = sum(store.num_experts for store in stores) * layout.expert_bytes
     return Manifest(
         tensors=tuple(
             TensorEntry(spec.name, spec.shape, str(spec.dtype).removeprefix("torch."), spec.nbytes)
@@ -117,7 +117,7 @@ def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:
         ),
         layers=len(providers),
         experts=sum(store.num_experts for store in stores),
-        record_bytes=layout.record_bytes,
+        expert_bytes=layout.expert_bytes,
         num_slots=sum(pool.num_slots for pool in pools),
         pool_gpu_bytes=pool_bytes,
         host_bytes=sum(host),

@@ -75,6 +75,11 @@ class FullGPUProvider(ExpertWeightProvider):
         for name, tensor in weights.items():
             if tensor.device != self.device:
                 raise ValueError(f"weights[{name!r}] is on {tensor.device}, w1 on {self.device}")
+            if not tensor.is_contiguous():
+                raise ValueError(
+                    f"weights[{name!r}] is not contiguous: kernels index [E, *shape] tensors by offset "
+                    f"(pass tensor.contiguous())"
+                )
         self.num_experts = num_experts
         self._tensors = dict(weights)
         self._expert_map = None

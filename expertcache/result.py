@@ -23,8 +23,15 @@ class ExpertWeightResult:
         extra: any other registered per-expert tensor (biases, MXFP4 scales, ...), by the
             name it was registered under, in the same index space.
 
-    The tensors of a cached provider are views of fixed-address slot buffers: their
-    ``data_ptr()`` never changes, so CUDA graphs and engines may keep them.
+    Layout: every tensor is contiguous, so entry ``s`` of tensor ``t`` (``s < num_slots``)
+    starts at ``t.data_ptr() + s * t[0].nbytes`` and kernels that index a pool by raw
+    offsets (CUTLASS, Marlin, grouped GEMMs, hand-written CUDA) read the right bytes. The
+    tensors of a cached provider are fixed-address slot tensors: their ``data_ptr()``
+    never changes, so CUDA graphs and engines may keep them.
+
+    Lifetime: a cached provider's result is valid until the next ``prepare`` on the same
+    slot pool (any layer of a shared pool), which may overwrite the slots. Run the kernel
+    that reads it (enqueue it on the same stream) before preparing again.
     """
 
     w1: torch.Tensor
@@ -33,3 +40,8 @@ class ExpertWeightResult:
     w1_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_slots(self) -> int:
+        """``N``: entries in the first dimension of every tensor (slots, or local experts)."""
+        return int(self.w1.shape[0])

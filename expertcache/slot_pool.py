@@ -1,248 +1,231 @@
-"""Slot pools: fixed-address slot buffers on the GPU, and who holds each slot.
+"""`SlotPool`: fixed-address slot tensors on the device, the tables that say who holds them,
+and ``prepare``, the one pipeline both modes run.
 
-One pool serves one layer (a per-layer budget) or many (a global pool, keys
-``(layer, expert)``, where hot layers take more slots). The buffers are allocated once and
-never move, so CUDA graphs and engines may keep their addresses::
+One pool serves one layer (a per-layer budget) or many (a global pool: layers own
+consecutive key ranges, hot layers take more slots). Everything is allocated once and never
+moves, so CUDA graphs and engines may keep the addresses::
 
-    records [S, record_bytes] uint8   -- one expert record per slot (see `layout`)
-    tensors {name: [S, *shape]}       -- typed views of the records, what kernels read
+    buffer   [bytes] uint8               one allocation, carved by name (`expertcache.layout`)
+    tensors  {name: [S, *shape]}         contiguous slot tensors: what kernels read
+    tables   `SlotTables`                expert <-> slot, counters, plan: the only state
 
-Two ways to decide what moves:
+``prepare(layer, topk_ids)`` = plan, move, commit + remap::
 
-* `SlotPool` (host-driven): the ids are read on the host and a `SlotTable` with any
-  eviction policy admits them; misses are copied by the copy engine.
-* `DeviceSlotPool` (device-driven, LRU): a Triton kernel admits them on the GPU and a
-  copy kernel moves the planned records from mapped pinned memory. No host sync, fixed
-  shapes: a whole decode step, misses included, replays in one CUDA graph.
+    host mode    ids and tables read on the host (one sync) -> any policy plans (call_plan)
+                 -> copy engine moves -> commit kernel applies the plan, counts, remaps
+    device mode  LRU admission kernel plans, commits, remaps -> copy kernel moves
 
-Free slots start filled with 0xFF bytes (NaN in every float format), a poison that a
-correct remap never lets a kernel read.
+The modes differ in who fills the plan; the tables, the copy kernel, the remap lookup and
+every read-only view are shared. A call either completes or leaves the pool exactly as it
+was (`expertcache.host_prepare`, `expertcache.device_prepare`). Free slots hold 0xFF bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import bisect
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 import torch
 
-from expertcache.device_table import DEVICE_POLICIES, DeviceSlotTable
-from expertcache.layout import RecordLayout, layout_from_weights
-from expertcache.policies import EvictionPolicy
-from expertcache.slot_table import Admission, SlotTable
+from expertcache import device_prepare, host_prepare
+from expertcache.call_guards import SingleCaller
+from expertcache.kernels.copy_experts import DEFAULT_BLOCK, build_segments
+from expertcache.kernels.slot_tables import COUNTERS, SlotTables
+from expertcache.layout import ExpertLayout, layout_from_weights
+from expertcache.mover import MOVERS, POISON, CopyExpert, copy_pairs
+from expertcache.policies import EvictionPolicy, claim_policy, make_policy
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
-from expertcache.validation import resolve_device
+from expertcache.validation import check_mode_device, check_topk_ids, resolve_device
 
-_POISON = 0xFF
-
-
-def copy_record(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy one expert record (``[record_bytes]`` uint8) host -> slot, on the current stream."""
-    destination.copy_(source, non_blocking=True)
+MODES = ("host", "device")
 
 
-@dataclass
-class _Layer:
-    store: CPUBackingStore
-    global_to_local: torch.Tensor | None  # [E_global] int32 on the pool's device; None = identity
-    num_global: int
+@dataclass(frozen=True)
+class PoolLayer:
+    """One attached layer: its store, its key range, its id map, its copy segments."""
+
+    name: Hashable
     index: int
     key_offset: int
+    store: CPUBackingStore
+    num_global: int
+    global_to_local: torch.Tensor | None  # [E_global] int32 on the pool's device; None = identity
+    global_to_local_host: np.ndarray  # [E_global] int64
+    segments: torch.Tensor  # [names, 4] int64 on the pool's device
+    chunks_per_expert: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.store.num_experts
 
 
 class SlotPool:
-    """Slot buffers on one device, assigned on the host by a `SlotTable`.
+    """Slot tensors on one device, filled by host-mode or device-mode admission.
 
     Args:
-        layout: record layout of the registered tensors (every attached layer must match).
-        num_slots: number of slots ``S``.
+        layout: the registered tensors (every attached layer must match).
+        num_slots: ``S``, at least 1.
         device: where the slots live (default: the current CUDA device, else the CPU).
-        policy: eviction policy name or instance.
-    """
+        policy: eviction policy name or a fresh instance (host mode); device mode is LRU.
+        mode: ``"host"`` (default) or ``"device"``.
+        mover: how host mode moves misses, ``"engine"`` (default) or ``"kernel"``; device
+            mode always uses the copy kernel.
 
-    mode = "host"
+    Attach every layer before the first ``prepare``. A pool serves one thread at a time;
+    a result's slot tensors hold its experts until the pool's next ``prepare``.
+    """
 
     def __init__(
         self,
-        layout: RecordLayout,
+        layout: ExpertLayout,
         num_slots: int,
         *,
         device: str | torch.device | None = None,
         policy: str | EvictionPolicy = "lru",
+        mode: str = "host",
+        mover: str | None = None,
     ) -> None:
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
+            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mover not in (None, *MOVERS) or (mode == "device" and mover == "engine"):
+            raise ValueError(f"mover must be one of {MOVERS} ('kernel' in device mode), got {mover!r}")
         self.layout = layout
         self.device = resolve_device(device)
-        self.table = SlotTable(num_slots, policy=policy)
-        self.records = torch.full((num_slots, layout.record_bytes), _POISON, dtype=torch.uint8, device=self.device)
-        self.tensors = layout.views(self.records)
-        self._layers: dict[Hashable, _Layer] = {}
-        self._expert_to_slot: dict[Hashable, np.ndarray] = {}
-        self._version: dict[Hashable, int] = {}
-        self._stats: dict[Hashable, CacheStats] = {}
-        #: How a missed record reaches its slot; ``(slot_row, host_row) -> None``. Replaced
-        #: only to pace copies (`expertcache.parallel.pacing`), never to change what lands.
-        self.copy_record: Callable[[torch.Tensor, torch.Tensor], None] = copy_record
-        self._layers_this_forward: set[Hashable] = set()
+        self.mode = mode
+        self.mover = mover or ("engine" if mode == "host" else "kernel")
+        if mode == "device" or self.mover == "kernel":
+            check_mode_device(self.device)
+        chosen = device_prepare.device_policy(policy) if mode == "device" else _host_policy(policy, num_slots)
+        with torch.inference_mode(False):  # in-place updates must work inside and outside it
+            self.buffer = torch.full((layout.buffer_bytes(num_slots),), POISON, dtype=torch.uint8, device=self.device)
+        self.tensors = layout.views(self.buffer, num_slots)
+        self.num_slots = num_slots
+        self.tables = SlotTables.allocate(0, num_slots, 0, self.device)
+        self.layers: dict[Hashable, PoolLayer] = {}
+        self.ordered_layers: list[PoolLayer] = []  # by index; their key ranges are consecutive
+        self._key_offsets: list[int] = []
+        self._started = False
+        self.guard = SingleCaller("this slot pool")
+        #: How the copy engine moves one expert; replaced only to pace copies
+        #: (`expertcache.parallel.pacing`), never to change what lands.
+        self.copy_expert: CopyExpert = copy_pairs
+        self.forward = host_prepare.ForwardTracker()
+        self.backup: torch.Tensor | None = None  # device mode: the state before the call in flight
+        self.op_id = device_prepare.register(self)
+        self.policy = chosen  # claimed by the first attach, so a pool that never serves binds nothing
 
     @classmethod
-    def for_weights(
-        cls,
-        weights: Mapping[str, torch.Tensor],
-        num_slots: int,
-        *,
-        device: str | torch.device | None = None,
-        policy: str | EvictionPolicy = "lru",
-    ) -> SlotPool:
+    def for_weights(cls, weights: Mapping[str, torch.Tensor], num_slots: int, **kwargs) -> SlotPool:
         """A pool whose slots fit experts shaped like ``weights`` (``{name: [E, ...]}``)."""
-        _, layout = layout_from_weights(weights)
-        return cls(layout, num_slots, device=device, policy=policy)
-
-    @property
-    def num_slots(self) -> int:
-        return int(self.records.shape[0])
+        return cls(layout_from_weights(weights)[1], num_slots, **kwargs)
 
     @property
     def nbytes(self) -> int:
-        """GPU bytes of the slot buffers."""
-        return self.records.nbytes
+        """Device bytes of the slot tensors."""
+        return self.buffer.nbytes
 
-    def attach(self, layer: Hashable, store: CPUBackingStore, global_to_local: torch.Tensor) -> None:
-        """Serve ``layer``'s experts from ``store``; ``global_to_local``: ``[E_global]`` int32."""
-        if layer in self._layers:
-            raise ValueError(f"layer {layer!r} is already attached to this slot pool")
-        self.layout.check_compatible(store.layout, what=f"layer {layer!r}")
-        index, key_offset = self._add_layer(store.num_experts)
-        identity = torch.equal(global_to_local.cpu(), torch.arange(store.num_experts, dtype=global_to_local.dtype))
-        mapping = None if identity else global_to_local.to(self.device)
-        self._layers[layer] = _Layer(store, mapping, int(global_to_local.numel()), index, key_offset)
-        self._expert_to_slot[layer] = np.full(store.num_experts, -1, dtype=np.int32)
-        self._version[layer] = 0
-        self._stats[layer] = CacheStats()
+    # -- layers ------------------------------------------------------------------------------
 
-    def _add_layer(self, num_experts: int) -> tuple[int, int]:
-        return len(self._layers), 0
-
-    def stats(self, layer: Hashable) -> CacheStats:
-        """Exact counters of ``layer``."""
-        return self._stats[layer]
-
-    def expert_to_slot(self, layer: Hashable) -> np.ndarray:
-        """Read-only ``[E_local]`` int32 table of ``layer``: slot of each expert, or -1."""
-        table = self._expert_to_slot[layer].view()
-        table.flags.writeable = False
-        return table
-
-    def expert_in(self, layer: Hashable, slot: int) -> int:
-        """Local expert of ``layer`` held by ``slot``, or -1 (free, or another layer's)."""
-        key = self.table.key_in(slot)
-        return -1 if key is None or key[0] != layer else int(key[1])  # type: ignore[index]
-
-    def version(self, layer: Hashable) -> int:
-        """Counter that changes whenever ``layer``'s expert -> slot table changes."""
-        return self._version[layer]
-
-    def ensure_resident(self, layer: Hashable, experts: Sequence[int]) -> Admission:
-        """Admit one call's experts of ``layer`` and copy the misses into their slots.
+    def attach(self, name: Hashable, store: CPUBackingStore, global_to_local: torch.Tensor) -> PoolLayer:
+        """Serve layer ``name``'s experts from ``store``.
 
         Args:
-            layer: an attached layer.
-            experts: distinct local expert ids in first-appearance order.
+            name: any hashable, unique in this pool.
+            store: the layer's experts (the pool's layout).
+            global_to_local: ``[E_global]`` int32 CPU map, global id -> local expert or -1.
+        """
+        if self._started:
+            raise RuntimeError("attach every layer to a slot pool before its first prepare()")
+        if name in self.layers:
+            raise ValueError(f"layer {name!r} is already attached to this slot pool")
+        self.layout.check_compatible(store.layout, what=f"layer {name!r}")
+        if self.device.type == "cuda" and not store.pinned:
+            raise ValueError("a store served to a GPU pool must be pinned (build it with pin=True)")
+        key_offset = self.tables.num_keys
+        host_map = global_to_local.to(torch.int64).numpy()
+        identity = np.array_equal(host_map, np.arange(store.num_experts))
+        segments, chunks = build_segments(
+            self.layout.region_offsets(store.num_experts), self.layout.region_offsets(self.num_slots),
+            tuple(spec.nbytes for spec in self.layout.specs), self.layout.copy_unit, DEFAULT_BLOCK,
+        )  # fmt: skip
+        layer = PoolLayer(
+            name, len(self.layers), key_offset, store, int(host_map.size),
+            None if identity else global_to_local.to(self.device, torch.int32), host_map,
+            segments.to(self.device), chunks,
+        )  # fmt: skip
+        self.tables = SlotTables.allocate(key_offset + store.num_experts, self.num_slots, len(self.layers) + 1, self.device)
+        if self.policy is not None and not self.layers:
+            claim_policy(self.policy, capacity=self.num_slots, owner=self)
+        self.layers[name] = layer
+        self.ordered_layers.append(layer)
+        self._key_offsets.append(key_offset)
+        return layer
+
+    def owner_of(self, key: object) -> tuple[PoolLayer, int]:
+        """``(layer, local expert)`` of a key."""
+        index = bisect.bisect_right(self._key_offsets, int(key)) - 1  # type: ignore[call-overload]
+        layer = self.ordered_layers[index]
+        return layer, int(key) - layer.key_offset  # type: ignore[call-overload]
+
+    # -- the call ----------------------------------------------------------------------------
+
+    def prepare(self, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Make every local expert of ``topk_ids`` resident; return the ids remapped to slots.
+
+        Args:
+            layer: an attached layer (from `attach`).
+            topk_ids: ``[T, K]`` int32/int64 global expert ids on the pool's device.
+
+        Returns:
+            ``[T, K]`` contiguous, ``topk_ids``' dtype: slot ids, -1 for experts of other ranks
+            (and, in device mode, for ids outside ``[0, E_global)``, counted in ``invalid_ids``).
+            The slots hold these experts until this pool's next ``prepare``.
 
         Raises:
-            CacheCapacityError: more experts than slots; nothing changes.
+            TypeError / ValueError / IndexError: bad ids (dtype, shape, device; range in host
+                mode, and in device mode whenever the call is read on the host).
+            CacheCapacityError: more distinct local experts than slots.
+            ConcurrentUseError: another thread is inside this pool.
+            In every case the pool is left exactly as it was.
         """
-        self.table.check_capacity(len(experts))
-        if layer in self._layers_this_forward:  # a layer came round again: a new forward pass
-            self._layers_this_forward.clear()
-        if not self._layers_this_forward:
-            self.table.begin_forward()
-        admission = self.table.admit([(layer, expert) for expert in experts])
-        for key, _ in admission.evictions:
-            owner, expert = cast(tuple[Hashable, int], key)
-            self._expert_to_slot[owner][expert] = -1
-            self._version[owner] += 1
-        store = self._layers[layer].store
-        for key, slot in admission.loads:
-            expert = cast(tuple[Hashable, int], key)[1]
-            # Pinned source, current stream: ordered before this call's kernels, and after
-            # every earlier kernel that read the slot. The store never changes, so no sync.
-            self.copy_record(self.records[slot], store.records[expert])
-            self._expert_to_slot[layer][expert] = slot
-        if admission.loads:
-            self._version[layer] += 1
-        self._layers_this_forward.add(layer)
-        self._count(layer, admission)
-        return admission
+        if self.layers.get(layer.name) is not layer:
+            raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
+        check_topk_ids(topk_ids, self.device)
+        self._started = True
+        if self.mode == "device":
+            return device_prepare.prepare(self, layer, topk_ids)
+        return host_prepare.prepare(self, layer, topk_ids)
 
-    def _count(self, layer: Hashable, admission: Admission) -> None:
-        misses = len(admission.loads)
-        self._stats[layer] = self._stats[layer] + CacheStats(
-            hits=len(admission.hits),
-            misses=misses,
-            evictions=len(admission.evictions),
-            bytes_h2d=misses * self.layout.record_bytes,
-            calls=1,
-        )
+    # -- read-only views (they read the device tables: call them outside CUDA graphs) -------
 
+    def stats(self, layer: PoolLayer) -> CacheStats:
+        """Exact counters of ``layer``."""
+        row = dict(zip(COUNTERS, self.tables.counters[layer.index].tolist(), strict=True))
+        return CacheStats(**row, bytes_h2d=row["misses"] * self.layout.expert_bytes)
 
-class DeviceSlotPool(SlotPool):
-    """Slot buffers assigned on the GPU by the admission kernel (LRU), copies by kernel.
+    def expert_to_slot(self, layer: PoolLayer) -> np.ndarray:
+        """``[E_local]`` int32 copy: the slot of each of ``layer``'s experts, or -1."""
+        start = layer.key_offset
+        return self.tables.expert_to_slot[start : start + layer.num_experts].cpu().numpy().copy()
 
-    Same decisions as a host `SlotPool` with ``policy="lru"``. Attach every layer before
-    the first call. The read-only views synchronise with the device.
-    """
-
-    mode = "device"
-
-    def __init__(
-        self,
-        layout: RecordLayout,
-        num_slots: int,
-        *,
-        device: str | torch.device | None = None,
-        policy: str | EvictionPolicy = "lru",
-    ) -> None:
-        if policy not in DEVICE_POLICIES:
-            raise ValueError(f"device mode implements only {DEVICE_POLICIES}, got policy={policy!r}")
-        super().__init__(layout, num_slots, device=device, policy=policy)
-        self.device_table = DeviceSlotTable(num_slots, self.device)
-
-    def _add_layer(self, num_experts: int) -> tuple[int, int]:
-        return self.device_table.add_layer(num_experts)
-
-    def admit(self, layer: Hashable, topk_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Admit one call on the device, copy its misses, write slot ids into ``out``."""
-        entry = self._layers[layer]
-        self.device_table.admit(
-            entry.index, entry.key_offset, topk_ids, entry.global_to_local, entry.num_global, out,
-            entry.store.records, self.records,
-        )  # fmt: skip
-        return out
-
-    def stats(self, layer: Hashable) -> CacheStats:
-        counters = self.device_table.counters(self._layers[layer].index)
-        return CacheStats(
-            hits=counters["hits"],
-            misses=counters["misses"],
-            evictions=counters["evictions"],
-            bytes_h2d=counters["misses"] * self.layout.record_bytes,
-            calls=counters["calls"],
-            invalid_ids=counters["invalid_ids"],
-        )
-
-    def expert_to_slot(self, layer: Hashable) -> np.ndarray:
-        entry = self._layers[layer]
-        return self.device_table.expert_to_slot(entry.index, entry.key_offset)
-
-    def expert_in(self, layer: Hashable, slot: int) -> int:
-        key = self.device_table.key_in(slot)
+    def expert_in(self, layer: PoolLayer, slot: int) -> int:
+        """Local expert of ``layer`` held by ``slot``, or -1 (free, or another layer's)."""
+        key = int(self.tables.slot_to_key[slot])
         if key < 0:
             return -1
-        index, expert = self.device_table.layer_of_key(key)
-        return expert if index == self._layers[layer].index else -1
+        owner, expert = self.owner_of(key)
+        return expert if owner is layer else -1
 
-    def ensure_resident(self, layer: Hashable, experts: Sequence[int]) -> Admission:
-        raise TypeError("a device-mode pool admits on the GPU: use admit()")
+
+def _host_policy(policy: str | EvictionPolicy, num_slots: int) -> EvictionPolicy:
+    chosen = make_policy(policy, capacity=num_slots)
+    if chosen.clairvoyant:
+        raise ValueError(
+            f"policy {chosen.name!r} needs to know the future: it is for simulation (expertcache.sim.replay) only"
+        )
+    return chosen

@@ -1,47 +1,26 @@
-"""Slot bookkeeping: which key lives in which slot, and what one call must load or evict.
+"""`SlotTable`: the trace simulator's cache, a plain-Python table driven by the runtime's planner.
 
-Pure Python, no tensors: the runtime slot pool and the trace simulator both admit calls
-through `SlotTable.admit`, so they make identical decisions.
-
-Semantics of one call (the contract every implementation of the cache follows):
-
-* the call's keys are deduplicated, keeping the order of first appearance;
-* keys are visited in that order; a resident key is a hit, any other a miss;
-* a miss takes the lowest-numbered free slot, or else the slot of the victim the policy
-  chooses among resident keys that this call does not use (so an expert loaded earlier in
-  the call is never evicted by a later miss of the same call).
+No tensors: ``admit`` plans a call with `expertcache.call_plan.plan_call` (the same code host
+mode runs) and applies it to two dicts, so simulated decisions are the runtime's. Slots are
+never freed, only reused, so the free slots are ``[filled, num_slots)`` and nothing is
+allocated per slot (a capacity of ``2**40`` costs what a capacity of 4 does).
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
+from expertcache.call_plan import CallPlan, plan_call, tell_policy
 from expertcache.errors import CacheCapacityError
-from expertcache.policies import EvictionPolicy, make_policy
-
-Key = Hashable
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """What one call changed.
-
-    Attributes:
-        hits: resident keys the call used, in first-appearance order.
-        loads: ``(key, slot)`` for every miss, in first-appearance order; the slot must be
-            filled with the key's data before the call's kernels run.
-        evictions: ``(key, slot)`` for every key that lost its slot, in eviction order.
-    """
-
-    hits: tuple[Key, ...]
-    loads: tuple[tuple[Key, int], ...]
-    evictions: tuple[tuple[Key, int], ...]
+from expertcache.policies import EvictionPolicy, Key, claim_policy
 
 
 class SlotTable:
     """Maps keys to ``num_slots`` slots under an eviction policy.
+
+    Args:
+        num_slots: slots of the cache, at least 1.
+        policy: a policy name or a fresh `EvictionPolicy` (an instance serves one table).
 
     Invariants (checked by the tests after every call): ``slot_of`` and ``key_in`` are
     inverse on resident keys, at most ``num_slots`` keys are resident, and a slot never
@@ -52,10 +31,10 @@ class SlotTable:
         if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
         self.num_slots = num_slots
-        self.policy = make_policy(policy, capacity=num_slots)
+        self.policy = claim_policy(policy, capacity=num_slots, owner=self)
         self._slot_of: dict[Key, int] = {}
-        self._key_in: list[Key | None] = [None] * num_slots
-        self._free: list[int] = list(range(num_slots))  # a heap: lowest free slot first
+        self._key_in: dict[int, Key] = {}
+        self._filled = 0  # slots [0, filled) have held a key; the rest are free
 
     def slot_of(self, key: Key) -> int:
         """The key's slot, or -1 when it is not resident."""
@@ -63,22 +42,17 @@ class SlotTable:
 
     def key_in(self, slot: int) -> Key | None:
         """The key held by ``slot``, or None when the slot is free."""
-        return self._key_in[slot]
+        return self._key_in.get(slot)
 
     def resident(self) -> frozenset[Key]:
         """Every key that holds a slot."""
         return frozenset(self._slot_of)
 
-    def check_capacity(self, num_keys: int, *, where: str = "") -> None:
-        """Raise `CacheCapacityError` when ``num_keys`` distinct keys cannot fit at once."""
-        if num_keys > self.num_slots:
-            raise CacheCapacityError(num_keys, self.num_slots, where=where)
-
     def begin_forward(self) -> None:
         """Mark the start of a forward pass for policies that rank by it (Least-Stale)."""
         self.policy.begin_forward()
 
-    def admit(self, keys: Iterable[Key]) -> Admission:
+    def admit(self, keys: Iterable[Key]) -> CallPlan:
         """Make every key of one call resident and report what moved.
 
         Args:
@@ -88,33 +62,23 @@ class SlotTable:
             CacheCapacityError: more distinct keys than slots; nothing changes.
         """
         unique = list(dict.fromkeys(keys))
-        self.check_capacity(len(unique))
-        protected = set(unique)
-        hits: list[Key] = []
-        loads: list[tuple[Key, int]] = []
-        evictions: list[tuple[Key, int]] = []
-        self.policy.begin_call(unique)
-        for key in unique:
-            if key in self._slot_of:
-                self.policy.on_hit(key)
-                hits.append(key)
-                continue
-            slot = self._take_free_slot(protected, key, evictions)
-            self._slot_of[key] = slot
-            self._key_in[slot] = key
-            self.policy.on_miss(key)
-            loads.append((key, slot))
-        self.policy.end_call()
-        return Admission(tuple(hits), tuple(loads), tuple(evictions))
+        if len(unique) > self.num_slots:
+            raise CacheCapacityError(len(unique), self.num_slots)
+        plan = plan_call(
+            unique,
+            [self._slot_of.get(key, -1) for key in unique],
+            slot_of=self.slot_of,
+            free_slots=self._free_slots,
+            policy=self.policy,
+        )
+        for load in plan.loads:
+            if load.evicted is not None:
+                del self._slot_of[load.evicted]
+            self._slot_of[load.key] = load.slot
+            self._key_in[load.slot] = load.key
+            self._filled = max(self._filled, load.slot + 1)
+        tell_policy(plan, self.policy)
+        return plan
 
-    def _take_free_slot(self, protected: set[Key], incoming: Key, evictions: list[tuple[Key, int]]) -> int:
-        if self._free:
-            return heapq.heappop(self._free)
-        victim = self.policy.choose_victim(protected, incoming)
-        if victim in protected or victim not in self._slot_of:
-            raise RuntimeError(f"policy {self.policy.name!r} chose {victim!r}, which is not an evictable key")
-        slot = self._slot_of.pop(victim)
-        self._key_in[slot] = None
-        self.policy.on_evict(victim)
-        evictions.append((victim, slot))
-        return slot
+    def _free_slots(self) -> Iterator[int]:
+        return iter(range(self._filled, self.num_slots))

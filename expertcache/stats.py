@@ -17,6 +17,9 @@ class CacheStats:
         calls: ``prepare`` calls that completed.
         invalid_ids: ids outside ``[0, E)`` that device mode mapped to -1 instead of raising
             (it cannot raise without a host sync); always 0 in host mode, which raises.
+        overflows: device-mode calls refused on the device because they needed more
+            distinct experts than slots (nothing changed, their ids came out -1); the
+            paths that read ids on the host raise `CacheCapacityError` instead.
     """
 
     hits: int = 0
@@ -25,6 +28,7 @@ class CacheStats:
     bytes_h2d: int = 0
     calls: int = 0
     invalid_ids: int = 0
+    overflows: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -40,4 +44,5 @@ class CacheStats:
             self.bytes_h2d + other.bytes_h2d,
             self.calls + other.calls,
             self.invalid_ids + other.invalid_ids,
+            self.overflows + other.overflows,
         )

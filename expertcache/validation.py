@@ -23,7 +23,9 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"not a device: {device!r} ({exc})") from None
     if dev.type == "cpu":
-        return dev
+        if dev.index not in (None, 0):
+            raise ValueError(f"there is one CPU device; got {dev}")
+        return torch.device("cpu")
     if dev.type != "cuda":
         raise ValueError(f"unsupported device {dev}; expertcache serves CUDA devices or the CPU")
     if not torch.cuda.is_available():
@@ -32,6 +34,21 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
     if index >= torch.cuda.device_count():
         raise ValueError(f"device {dev} does not exist: {torch.cuda.device_count()} CUDA device(s)")
     return torch.device("cuda", index)
+
+
+def check_mode_device(device: torch.device) -> None:
+    """Device mode (and the copy kernel) run Triton kernels: a GPU, or the interpreter on a CPU.
+
+    Raises:
+        ValueError: ``device`` is the CPU and Triton is not interpreting.
+    """
+    from expertcache.kernels._launch import interpreted
+
+    if device.type == "cpu" and not interpreted():
+        raise ValueError(
+            "device mode runs Triton kernels: give it a CUDA device, or set TRITON_INTERPRET=1 before "
+            "importing expertcache to run them on the CPU; host mode (mode='host') works anywhere"
+        )
 
 
 def check_topk_ids(topk_ids: object, device: torch.device) -> torch.Tensor:

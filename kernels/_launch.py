@@ -1,13 +1,26 @@
-"""Shared launcher helpers: where a Triton kernel can run."""
+"""Shared launcher helpers: where a Triton kernel can run, and launching on the right GPU."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import triton
 
 try:  # the interpreter runs kernels on CPU tensors when TRITON_INTERPRET=1 at import time
     from triton.runtime.interpreter import InterpretedFunction
 except ImportError:  # pragma: no cover - very old Triton
     InterpretedFunction = ()  # type: ignore[assignment,misc]
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+def interpreted() -> bool:
+    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return isinstance(_probe, InterpretedFunction)
 
 
 def runs_on(kernel: object, tensor: torch.Tensor) -> bool:
@@ -18,3 +31,9 @@ def runs_on(kernel: object, tensor: torch.Tensor) -> bool:
     """
     interpreted = isinstance(kernel, InterpretedFunction)
     return tensor.device.type == ("cpu" if interpreted else "cuda")
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for the launches inside (Triton launches on the current GPU
+    and its current stream); a no-op for the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from expertcache.kernels._launch import runs_on
+from expertcache.kernels._launch import on_device, runs_on
 
 
 @triton.jit
@@ -40,19 +40,19 @@ def _scaled(weights, scale_ptr, rows, cols, mask, HAS_SCALE: tl.constexpr, SCALE
 @triton.jit
 def _gate_up_kernel(
     hidden_ptr, w1_ptr, scale_ptr, ids_ptr, act_ptr,
-    hidden_size, inter_size, top_k, stride_token, stride_expert, stride_row,
+    hidden_size, inter_size, top_k, num_rows, stride_token, stride_expert, stride_row,
     stride_scale_expert, stride_scale_row,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pair = tl.program_id(0)
+    pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     row_mask = rows < inter_size
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     gate = tl.zeros([BLOCK_I], dtype=tl.float32)
     up = tl.zeros([BLOCK_I], dtype=tl.float32)
-    if expert >= 0:
+    if (expert >= 0) & (expert < num_rows):  # anything else contributes nothing, reads nothing
         x_row = hidden_ptr + (pair // top_k) * stride_token
-        gate_rows = w1_ptr + expert * stride_expert + rows[:, None] * stride_row
+        gate_rows = w1_ptr + expert * stride_expert + rows.to(tl.int64)[:, None] * stride_row
         up_rows = gate_rows + inter_size * stride_row
         scales = scale_ptr + expert * stride_scale_expert
         for start in range(0, hidden_size, BLOCK_H):
@@ -73,16 +73,16 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, w2_ptr, scale_ptr, ids_ptr, weights_ptr, part_ptr,
-    hidden_size, inter_size, stride_expert, stride_row, stride_scale_expert, stride_scale_row,
+    hidden_size, inter_size, num_rows, stride_expert, stride_row, stride_scale_expert, stride_scale_row,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pair = tl.program_id(0)
+    pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_mask = rows < hidden_size
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if expert >= 0:
-        w_rows = w2_ptr + expert * stride_expert + rows[:, None] * stride_row
+    if (expert >= 0) & (expert < num_rows):
+        w_rows = w2_ptr + expert * stride_expert + rows.to(tl.int64)[:, None] * stride_row
         scales = scale_ptr + expert * stride_scale_expert
         for start in range(0, inter_size, BLOCK_I):
             cols = start + tl.arange(0, BLOCK_I)
@@ -97,14 +97,24 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_over_k_kernel(part_ptr, out_ptr, hidden_size, top_k, stride_out, BLOCK_H: tl.constexpr):
-    token = tl.program_id(0)
+def _sum_over_k_kernel(
+    part_ptr, ids_ptr, invalid_ptr, out_ptr, hidden_size, top_k, num_rows, stride_out,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_INVALID: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
-    total = tl.load(part_ptr + token * top_k * hidden_size + cols, mask=mask, other=0.0)
+    rows = part_ptr + token * top_k * hidden_size
+    total = tl.load(rows + cols, mask=mask, other=0.0)
     for k in range(1, top_k):
-        total += tl.load(part_ptr + (token * top_k + k) * hidden_size + cols, mask=mask, other=0.0)
+        total += tl.load(rows + k * hidden_size + cols, mask=mask, other=0.0)
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+    if COUNT_INVALID:
+        if tl.program_id(1) == 0:
+            choices = tl.arange(0, BLOCK_K)
+            ids = tl.load(ids_ptr + token * top_k + choices, mask=choices < top_k, other=-1).to(tl.int64)
+            bad = (ids < -1) | (ids >= num_rows)
+            tl.atomic_add(invalid_ptr, tl.sum(bad.to(tl.int64), axis=0))
 
 
 def moe_apply(
@@ -117,6 +127,7 @@ def moe_apply(
     w1_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     scale_block: int = 128,
+    invalid_ids: torch.Tensor | None = None,
     block_i: int = 16,
     block_h: int = 256,
     block_rows: int = 16,
@@ -125,59 +136,142 @@ def moe_apply(
 
     Args:
         hidden: ``[T, H]`` tokens (fp32, fp16 or bf16), last dimension contiguous.
-        w1: ``[N, 2I, H]`` gate then up rows; each expert's matrix row-major (a slot pool's
-            views qualify: only the expert stride differs).
+        w1: ``[N, 2I, H]`` gate then up rows; each expert's matrix row-major.
         w2: ``[N, H, I]`` down projections, same index space.
         topk_weights: ``[T, K]`` router weights.
-        topk_ids: ``[T, K]`` int32/int64 indices into ``w1``/``w2``; -1 contributes nothing.
+        topk_ids: ``[T, K]`` int32/int64 indices into ``w1``/``w2``; -1 contributes nothing,
+            and so does any id outside ``[0, N)`` (nothing outside the weights is read).
         w1_scale, w2_scale: optional block scales (see the module docstring); both or none.
         scale_block: rows and columns per scale block.
+        invalid_ids: optional ``[1]`` int64 counter on ``hidden``'s device; ids outside
+            ``[-1, N)`` are added to it (checking them on the host would need a sync).
 
     Returns:
         ``[T, H]`` in ``hidden``'s dtype, accumulated in fp32.
+
+    A ``torch.library`` custom op (``expertcache::moe_apply``): ``torch.compile`` traces it
+    without a graph break.
     """
-    tokens, top_k = topk_ids.shape
-    hidden_size, inter_size = w2.shape[1], w2.shape[2]
     _check(hidden, w1, w2, topk_weights, topk_ids)
-    if (w1_scale is None) != (w2_scale is None):
-        raise ValueError("give both w1_scale and w2_scale, or neither")
+    _check_scales(w1, w2, w1_scale, w2_scale, scale_block)
+    if invalid_ids is not None and (
+        invalid_ids.dtype != torch.int64 or invalid_ids.numel() != 1 or invalid_ids.device != hidden.device
+    ):
+        raise ValueError(f"invalid_ids must be a [1] int64 counter on {hidden.device}")
+    return torch.ops.expertcache.moe_apply(
+        hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, invalid_ids,
+        scale_block, block_i, block_h, block_rows,
+    )  # fmt: skip
+
+
+def moe_apply_torch(
+    hidden: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    scale_block: int = 128,
+) -> torch.Tensor:
+    """Reference of `moe_apply`: dequantise (block scales) in fp32, then `reference.moe_forward`."""
+    from expertcache.reference import moe_forward
+
+    ids = torch.where((topk_ids >= 0) & (topk_ids < w1.shape[0]), topk_ids, -1)
+    w1f, w2f = w1.float(), w2.float()
+    if w1_scale is not None and w2_scale is not None:
+        w1f = w1f * _expand_scales(w1_scale, w1.shape, scale_block)
+        w2f = w2f * _expand_scales(w2_scale, w2.shape, scale_block)
+    out = moe_forward(hidden.float(), w1f, w2f, topk_weights.float(), ids)
+    return out.to(hidden.dtype)
+
+
+def _expand_scales(scales: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
+    full = scales.float().repeat_interleave(block, dim=1).repeat_interleave(block, dim=2)
+    return full[:, : shape[1], : shape[2]]
+
+
+@torch.library.custom_op("expertcache::moe_apply", mutates_args=("invalid_ids",))
+def _moe_apply_op(
+    hidden: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    invalid_ids: torch.Tensor | None,
+    scale_block: int,
+    block_i: int,
+    block_h: int,
+    block_rows: int,
+) -> torch.Tensor:
+    tokens, top_k = topk_ids.shape
+    hidden_size, inter_size, num_rows = w2.shape[1], w2.shape[2], w1.shape[0]
     has_scale = w1_scale is not None
-    if has_scale and (w1_scale.dim() != 3 or w2_scale.dim() != 3):  # type: ignore[union-attr]
-        raise ValueError("block scales must be [N, row blocks, column blocks]")
-    w1_scale = w1_scale if has_scale else w1  # an unused pointer when there are no scales
-    w2_scale = w2_scale if has_scale else w2
+    scale1 = w1_scale if w1_scale is not None else w1  # an unused pointer when there are no scales
+    scale2 = w2_scale if w2_scale is not None else w2
     device = hidden.device
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
-    act = torch.empty(tokens * top_k, inter_size, dtype=torch.float32, device=device)
-    part = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=device)
     out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=device)
     if tokens == 0:
         return out
+    act = torch.empty(tokens * top_k, inter_size, dtype=torch.float32, device=device)
+    part = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=device)
     pairs = tokens * top_k
-    _gate_up_kernel[(pairs, triton.cdiv(inter_size, block_i))](
-        hidden, w1, w1_scale, ids, act, hidden_size, inter_size, top_k,
-        hidden.stride(0), w1.stride(0), w1.stride(1), w1_scale.stride(0), w1_scale.stride(1),
-        BLOCK_I=block_i, BLOCK_H=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
-    )  # fmt: skip
-    _down_kernel[(pairs, triton.cdiv(hidden_size, block_rows))](
-        act, w2, w2_scale, ids, weights, part, hidden_size, inter_size,
-        w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        BLOCK_H=block_rows, BLOCK_I=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
-    )  # fmt: skip
-    _sum_over_k_kernel[(tokens, triton.cdiv(hidden_size, 256))](
-        part, out, hidden_size, top_k, out.stride(0), BLOCK_H=256
-    )
+    counter = invalid_ids if invalid_ids is not None else ids
+    with on_device(device):
+        _gate_up_kernel[(pairs, triton.cdiv(inter_size, block_i))](
+            hidden, w1, scale1, ids, act, hidden_size, inter_size, top_k, num_rows,
+            hidden.stride(0), w1.stride(0), w1.stride(1), scale1.stride(0), scale1.stride(1),
+            BLOCK_I=block_i, BLOCK_H=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
+        )  # fmt: skip
+        _down_kernel[(pairs, triton.cdiv(hidden_size, block_rows))](
+            act, w2, scale2, ids, weights, part, hidden_size, inter_size, num_rows,
+            w2.stride(0), w2.stride(1), scale2.stride(0), scale2.stride(1),
+            BLOCK_H=block_rows, BLOCK_I=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
+        )  # fmt: skip
+        _sum_over_k_kernel[(tokens, triton.cdiv(hidden_size, 256))](
+            part, ids, counter, out, hidden_size, top_k, num_rows, out.stride(0),
+            BLOCK_H=256, BLOCK_K=max(2, triton.next_power_of_2(top_k)), COUNT_INVALID=invalid_ids is not None,
+        )  # fmt: skip
     return out
 
 
+@_moe_apply_op.register_fake
+def _(hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, invalid_ids, scale_block, block_i, block_h, block_rows):
+    return hidden.new_empty(topk_ids.shape[0], w2.shape[1])
+
+
+def _check_scales(w1, w2, w1_scale, w2_scale, block: int) -> None:
+    if (w1_scale is None) != (w2_scale is None):
+        raise ValueError("give both w1_scale and w2_scale, or neither")
+    if w1_scale is None:
+        return
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"scale_block must be a positive int, got {block!r}")
+    for name, scales, weights in (("w1_scale", w1_scale, w1), ("w2_scale", w2_scale, w2)):
+        expected = (weights.shape[0], -(-weights.shape[1] // block), -(-weights.shape[2] // block))
+        if tuple(scales.shape) != expected:
+            raise ValueError(f"{name} must be {list(expected)} (block {block}), got {list(scales.shape)}")
+        if not scales.is_floating_point() or scales.device != weights.device or scales.stride(2) != 1:
+            raise ValueError(f"{name} must be floating point on {weights.device} with a contiguous last dimension")
+
+
 def _check(hidden, w1, w2, topk_weights, topk_ids) -> None:
+    for name, tensor in (("hidden", hidden), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
     if not runs_on(_gate_up_kernel, hidden):
         raise RuntimeError("moe_apply needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
-    if hidden.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
-        raise ValueError("hidden must be [T, H], w1 [N, 2I, H], w2 [N, H, I]")
+    if hidden.dim() != 2 or w1.dim() != 3 or w2.dim() != 3 or topk_ids.dim() != 2:
+        raise ValueError("hidden must be [T, H], w1 [N, 2I, H], w2 [N, H, I], topk_ids [T, K]")
     if w1.shape[1] != 2 * w2.shape[2] or w1.shape[2] != w2.shape[1] or hidden.shape[1] != w2.shape[1]:
         raise ValueError(f"shapes disagree: hidden {tuple(hidden.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+    if w1.shape[0] != w2.shape[0]:
+        raise ValueError(f"w1 and w2 index different numbers of experts: {w1.shape[0]} and {w2.shape[0]}")
     if w1.stride(2) != 1 or w2.stride(2) != 1 or hidden.stride(1) != 1:
         raise ValueError("the last dimension of hidden, w1 and w2 must be contiguous")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:

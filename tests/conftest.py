@@ -27,5 +27,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def devices() -> list:
-    """Devices to run device-generic tests on: the CPU, plus CUDA (marked gpu) when present."""
-    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+    """Devices that device-generic tests (Triton kernels included) run on.
+
+    Without a GPU: the CPU, kernels interpreted. With one: the GPU (marked gpu), kernels
+    compiled; a compiled launcher cannot take CPU tensors, and the CUDA run covers the
+    same code. Host-mode tests pinned to the CPU still run everywhere (there, without the
+    interpreter, the kernels' torch references run).
+    """
+    return [pytest.param("cuda", marks=pytest.mark.gpu)] if HAS_CUDA else ["cpu"]

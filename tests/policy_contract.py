@@ -66,7 +66,7 @@ class PolicyContract:
             assert not set(victims) & set(unique), "evicted a key of the current call"
             assert len(after) <= capacity
             assert set(unique) <= after
-            assert sorted(admission.hits + tuple(k for k, _ in admission.loads)) == sorted(unique)
+            assert sorted(admission.hits + tuple(load.key for load in admission.loads)) == sorted(unique)
             assert set(admission.hits) == set(unique) & before
             assert after == (before - set(victims)) | set(unique)
             assert len(victims) == max(0, len(before) + len(admission.loads) - capacity)
@@ -111,13 +111,10 @@ class PolicyContract:
             policy.choose_victim(frozenset({0, 1, 2, 3}), 3)
 
     def test_runtime_provider_agrees_with_the_simulator(self):
-        """A shared pool of two layers (keys (layer, expert)) against replay, call by call."""
-        if make_policy(self.policy_name, capacity=1).clairvoyant:  # simulation only: refused
-            provider = CachedWeightProvider(
-                random_weights(4, 8, 4), cache_size=2, device="cpu", policy=self.policy_name
-            )
-            with pytest.raises(RuntimeError, match="simulation only"):
-                provider.prepare(torch.tensor([[0, 1]]))
+        """A shared pool of two layers (keys ``6 * layer + expert``) against replay, call by call."""
+        if make_policy(self.policy_name, capacity=1).clairvoyant:  # simulation only: refused at once
+            with pytest.raises(ValueError, match="simulation"):
+                CachedWeightProvider(random_weights(4, 8, 4), cache_size=2, device="cpu", policy=self.policy_name)
             return
         generator = torch.Generator().manual_seed(7)
         weights = random_weights(6, 8, 4, generator=generator)
@@ -132,7 +129,7 @@ class PolicyContract:
             for index, layer in enumerate(layers):
                 layer_ids = torch.randint(0, 6, (1, 2), generator=generator)
                 layer.prepare(layer_ids)
-                shared_calls.append([(index, e) for e in layer_ids.reshape(-1).tolist()])
+                shared_calls.append([6 * index + e for e in layer_ids.reshape(-1).tolist()])
         expected = replay(private_calls, policy=self.policy_name, capacity=4)
         stats = provider.stats
         assert (stats.hits, stats.misses, stats.evictions) == (

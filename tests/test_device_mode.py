@@ -1,9 +1,11 @@
 """Device-driven admission makes exactly the host LRU's decisions.
 
 A hypothesis state machine drives a host-mode and a device-mode pool (shared by 1-3
-layers, with an EP expert map) through the same random calls. After every call: equal
-hits, misses, evictions (so equal victims), equal expert <-> slot tables, equal remapped
-ids, and byte-identical slot records. Runs interpreted on a CPU, compiled on a GPU.
+layers, with an EP expert map) through the same random calls: decode-sized ones, calls of
+more ids than the register kernel takes, and calls of more ids than slots (read on the
+host in device mode too). After every call: equal hits, misses, evictions (so equal
+victims), equal expert <-> slot tables, equal remapped ids, and byte-identical slot
+tensors. Runs interpreted on a CPU, compiled on a GPU.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from expertcache import CacheCapacityError, CachedWeightProvider, SlotPool
-from expertcache.kernels.copy_records import copy_planned_records, copy_planned_records_torch
-from expertcache.slot_pool import DeviceSlotPool
 
 STEPS = {"count": 0}
+MODES = ("host", "device")
 
 
 class HostVersusDevice(RuleBasedStateMachine):
@@ -35,14 +36,23 @@ class HostVersusDevice(RuleBasedStateMachine):
         self.num_global = num_global
         slots = data.draw(st.integers(1, num_local * num_layers), label="slots")
         weights = [random_weights(num_local, 8, 4, extras=True) for _ in range(num_layers)]
-        self.pools = [
-            SlotPool.for_weights(weights[0], slots, device=self.device),
-            DeviceSlotPool(SlotPool.for_weights(weights[0], 1).layout, slots, device=self.device),
-        ]
+        self.pools = [SlotPool.for_weights(weights[0], slots, device=self.device, mode=mode) for mode in MODES]
         self.layers = [
             [CachedWeightProvider(w, pool=pool, layer=i, expert_map=expert_map) for i, w in enumerate(weights)]
             for pool in self.pools
         ]
+
+    def _both(self, layer, ids):
+        outcomes = []
+        for providers in self.layers:
+            try:
+                outcomes.append(providers[layer].prepare(ids).topk_ids)
+            except CacheCapacityError as error:
+                outcomes.append(error.needed)
+        if isinstance(outcomes[0], torch.Tensor):
+            assert torch.equal(outcomes[0], outcomes[1])
+        else:
+            assert outcomes[0] == outcomes[1]
 
     @rule(data=st.data())
     def call(self, data):
@@ -53,40 +63,28 @@ class HostVersusDevice(RuleBasedStateMachine):
         top_k = data.draw(st.integers(1, max(1, min(self.num_global, num_slots // tokens))), label="top_k")
         seed = data.draw(st.integers(0, 2**16), label="seed")
         ids = random_topk(tokens, top_k, self.num_global, generator=torch.Generator().manual_seed(seed))
-        ids = ids.to(self.device, torch.int32 if seed % 2 else torch.int64)
-        host, device = (providers[layer].prepare(ids) for providers in self.layers)
-        assert torch.equal(host.topk_ids, device.topk_ids)
+        self._both(layer, ids.to(self.device, torch.int32 if seed % 2 else torch.int64))
 
     @rule(data=st.data())
     def prefill_call(self, data):
-        """More ids than slots: device mode checks on the host, raising like host mode."""
+        """More ids than slots (T * K > S): read on the host in both modes, may not fit."""
         STEPS["count"] += 1
-        num_slots = self.pools[0].num_slots
+        layer = data.draw(st.integers(0, len(self.layers[0]) - 1), label="layer")
+        tokens = self.pools[0].num_slots + data.draw(st.integers(1, 4), label="extra tokens")
         seed = data.draw(st.integers(0, 2**16), label="seed")
-        ids = random_topk(num_slots + 1, 1, self.num_global, generator=torch.Generator().manual_seed(seed))
-        outcomes = []
-        for providers in self.layers:
-            try:
-                outcomes.append(providers[0].prepare(ids.to(self.device)).topk_ids)
-            except CacheCapacityError as error:
-                outcomes.append(error.needed)
-        if isinstance(outcomes[0], torch.Tensor):
-            assert torch.equal(outcomes[0], outcomes[1])
-        else:
-            assert outcomes[0] == outcomes[1]
+        ids = random_topk(tokens, 1, self.num_global, generator=torch.Generator().manual_seed(seed))
+        self._both(layer, ids.to(self.device))
 
     @rule(data=st.data())
     def large_call(self, data):
-        """More ids than the register kernel takes (> 64): the scatter-min kernel, then the copy launch."""
+        """More ids than the register kernel takes (> 64): the scatter-min kernel."""
         STEPS["count"] += 1
         layer = data.draw(st.integers(0, len(self.layers[0]) - 1), label="layer")
         distinct = data.draw(
             st.lists(st.integers(0, self.num_global - 1), min_size=1, max_size=self.pools[0].num_slots, unique=True)
         )
         ids = data.draw(st.lists(st.sampled_from(distinct), min_size=65, max_size=90), label="ids")
-        ids = torch.tensor(ids + distinct, device=self.device).reshape(-1, 1)
-        host, device = (providers[layer].prepare(ids) for providers in self.layers)
-        assert torch.equal(host.topk_ids, device.topk_ids)
+        self._both(layer, torch.tensor(ids + distinct, device=self.device).reshape(-1, 1))
 
     @invariant()
     def same_state(self):
@@ -101,7 +99,7 @@ class HostVersusDevice(RuleBasedStateMachine):
             assert [host.expert_in(s) for s in range(host.pool.num_slots)] == [
                 device.expert_in(s) for s in range(device.pool.num_slots)
             ]
-        assert torch.equal(self.pools[0].records, self.pools[1].records)
+        assert torch.equal(self.pools[0].buffer, self.pools[1].buffer)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -118,28 +116,35 @@ def test_device_admission_equals_host_lru(device):
 
 
 @pytest.mark.parametrize("device", devices())
+def test_pool_of_more_than_1024_slots(device):
+    """1,100 slots shared by 3 layers of 400 experts: host and device decide alike past 1024."""
+    gen = torch.Generator().manual_seed(11)
+    weights = [random_weights(400, 4, 2, generator=gen) for _ in range(3)]
+    pools = [SlotPool.for_weights(weights[0], 1100, device=device, mode=mode) for mode in MODES]
+    layers = [[CachedWeightProvider(w, pool=pool, layer=i) for i, w in enumerate(weights)] for pool in pools]
+    highest = 0
+    for call in range(12):
+        ids = torch.randint(0, 400, (60, 5), generator=gen).to(device)  # up to 300 distinct experts
+        host, dev = (providers[call % 3].prepare(ids) for providers in layers)
+        assert torch.equal(host.topk_ids, dev.topk_ids)
+        highest = max(highest, int(host.topk_ids.max()))
+    assert highest >= 1024  # slots past 1024 were really used
+    for host, dev in zip(*layers, strict=True):
+        assert host.stats == dev.stats and host.stats.evictions > 0
+        assert host.resident() == dev.resident()
+    assert torch.equal(pools[0].buffer, pools[1].buffer)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_invalid_ids_map_to_minus_one_and_are_counted(device):
     provider = CachedWeightProvider(random_weights(4, 8, 4), cache_size=2, device=device, mode="device")
     result = provider.prepare(torch.tensor([[1, 7]], device=device))
     assert result.topk_ids.tolist() == [[0, -1]]
     assert provider.stats.invalid_ids == 1 and provider.resident() == {1}
-
-
-@pytest.mark.parametrize("device", devices())
-def test_copy_kernel_matches_reference(device):
-    gen = torch.Generator().manual_seed(5)
-    source = torch.randint(0, 256, (9, 1024), generator=gen, dtype=torch.uint8)
-    if device == "cuda":
-        source = source.pin_memory()
-    expected = torch.randint(0, 256, (6, 1024), generator=gen, dtype=torch.uint8).to(device)
-    slots = expected.clone()
-    plan_expert = torch.tensor([8, 0, 3, 0, 0, 0], dtype=torch.int32, device=device)
-    plan_slot = torch.tensor([2, 5, 0, 0, 0, 0], dtype=torch.int32, device=device)
-    count = torch.tensor([3], dtype=torch.int32, device=device)
-    copy_planned_records(source, slots, plan_expert, plan_slot, count, num_programs=4, block=64)
-    copy_planned_records_torch(source, expected, plan_expert, plan_slot, count)
-    assert torch.equal(slots, expected)
-    assert torch.equal(slots[2].cpu(), source[8]) and torch.equal(slots[1], expected[1])
+    # checked in the ids' own dtype: 2**32 + 3 is out of range, not expert 3
+    result = provider.prepare(torch.tensor([[2**32 + 3, 1]], device=device))
+    assert result.topk_ids.tolist() == [[-1, 0]]
+    assert provider.stats.invalid_ids == 2 and provider.resident() == {1}
 
 
 def test_device_mode_rejects_other_policies():

@@ -43,13 +43,14 @@ def check_slots_hold_their_experts(provider, weights, result):
             assert torch.equal(*as_bytes)
 
 
+@pytest.mark.parametrize("mode", ["host", "device"])
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("tokens, top_k, num_experts, cache_size", SHAPES)
-def test_cached_equals_full_weights(device, tokens, top_k, num_experts, cache_size):
+def test_cached_equals_full_weights(device, mode, tokens, top_k, num_experts, cache_size):
     dtype, atol, rtol = DTYPES[device]
     gen = torch.Generator().manual_seed(num_experts * 100 + cache_size)
     weights = random_weights(num_experts, 16, 8, dtype=dtype, generator=gen, extras=True)
-    provider = CachedWeightProvider(weights, cache_size=cache_size, device=device)
+    provider = CachedWeightProvider(weights, cache_size=cache_size, device=device, mode=mode)
     full = {name: t.to(device) for name, t in weights.items()}
     for _ in range(CALLS):
         ids = random_topk(tokens, top_k, num_experts, generator=gen).to(device)
@@ -62,13 +63,14 @@ def test_cached_equals_full_weights(device, tokens, top_k, num_experts, cache_si
         check_slots_hold_their_experts(provider, weights, result)
     stats = provider.stats
     assert stats.calls == CALLS
-    assert stats.bytes_h2d == stats.misses * provider.pool.layout.record_bytes
+    assert stats.bytes_h2d == stats.misses * provider.pool.layout.expert_bytes
     if cache_size == num_experts:
         assert stats.evictions == 0 and stats.misses <= num_experts
 
 
+@pytest.mark.parametrize("mode", ["host", "device"])
 @pytest.mark.parametrize("device", devices())
-def test_expert_map_serves_only_local_experts(device):
+def test_expert_map_serves_only_local_experts(device, mode):
     """EP: a rank owning experts {1, 4, 6} of 8 loads only those; others come out -1."""
     gen = torch.Generator().manual_seed(3)
     local_global = [6, 1, 4]  # local index -> global id
@@ -76,7 +78,7 @@ def test_expert_map_serves_only_local_experts(device):
     expert_map[local_global] = torch.arange(3, dtype=torch.int32)
     full = random_weights(8, 16, 8, generator=gen)
     local = {name: t[local_global] for name, t in full.items()}
-    provider = CachedWeightProvider(local, cache_size=2, device=device, expert_map=expert_map)
+    provider = CachedWeightProvider(local, cache_size=2, device=device, expert_map=expert_map, mode=mode)
     passthrough = FullGPUProvider({n: t.to(device) for n, t in local.items()}, expert_map=expert_map.to(device))
     for _ in range(CALLS):
         ids = random_topk(1, 2, 8, generator=gen).to(device)

@@ -119,7 +119,7 @@ def test_bad_configuration(weights, kwargs, error, message):
 def test_pin_budget_is_exact(weights):
     provider = CachedWeightProvider(weights, cache_size=2)
     needed = provider.store.nbytes
-    assert needed == E * provider.pool.layout.record_bytes
+    assert needed == provider.pool.layout.buffer_bytes(E)
     CachedWeightProvider(weights, cache_size=2, pin_budget_bytes=needed)  # exactly enough
     with pytest.raises(PinBudgetError) as info:
         CachedWeightProvider(weights, cache_size=2, pin_budget_bytes=needed - 1)
@@ -134,8 +134,11 @@ def test_shared_pool_rejects_mismatched_layers(weights):
     other = random_weights(E, 8, 2)  # another intermediate size
     with pytest.raises(ValueError, match="slot pool holds"):
         CachedWeightProvider(other, pool=pool, layer="b")
-    with pytest.raises(ValueError, match="not both"):
-        CachedWeightProvider(weights, pool=pool, layer="c", cache_size=2)
+    for setting in ({"cache_size": 2}, {"policy": "lfu"}, {"mode": "host"}, {"device": "cpu"}):
+        with pytest.raises(ValueError, match="belong to the shared pool"):
+            CachedWeightProvider(weights, pool=pool, layer="c", **setting)
+    with pytest.raises(TypeError, match="must be a SlotPool"):
+        CachedWeightProvider(weights, pool=5, layer="c")
 
 
 def test_views_reject_out_of_range(weights):

@@ -2,9 +2,11 @@
 
 A hypothesis state machine drives one slot pool shared by 1-3 layers (one layer is the
 per-layer budget; several are the global pool with keys (layer, expert)) through random
-calls, bad calls and over-full calls. After every step the provider's public views must
-agree with the model: hits, misses, victims and the slot of every expert; the two tables
-are inverse; at most ``num_slots`` experts are resident; slot buffers never move.
+calls, bad calls, over-full calls and calls whose copy fails half-way (a failing copy, or
+a KeyboardInterrupt, after the first tensor of the first miss). After every step the
+provider's public views must agree with the model: hits, misses, victims and the slot of
+every expert; the two tables are inverse; at most ``num_slots`` experts are resident; slot
+buffers never move; a failed call leaves the slot bytes exactly as they were.
 """
 
 from __future__ import annotations
@@ -63,14 +65,12 @@ class SharedPoolLRU(RuleBasedStateMachine):
         self.weights = random_weights(num_experts, 8, 4, extras=True)
         self.pool = SlotPool.for_weights(self.weights, num_slots, device="cpu")
         self.layers = [CachedWeightProvider(self.weights, pool=self.pool, layer=index) for index in range(num_layers)]
-        self.address = self.pool.records.data_ptr()
+        self.address = self.pool.buffer.data_ptr()
 
     def _snapshot(self):
         return [(p.stats, p.resident(), [p.slot_of(e) for e in range(self.num_experts)]) for p in self.layers]
 
-    @rule(data=st.data())
-    def call(self, data):
-        STEPS["count"] += 1
+    def _draw_call(self, data):
         layer = data.draw(st.integers(0, len(self.layers) - 1), label="layer")
         capacity = min(self.num_experts, self.model.free.__len__() + len(self.model.order))
         experts = data.draw(
@@ -80,7 +80,12 @@ class SharedPoolLRU(RuleBasedStateMachine):
         tokens = data.draw(st.integers(1, 4), label="tokens")
         ids = data.draw(st.lists(st.sampled_from(experts), min_size=tokens, max_size=tokens * 3))
         ids = ids + experts  # every drawn expert appears; the order of first use is random
-        ids = data.draw(st.permutations(ids), label="ids")
+        return layer, data.draw(st.permutations(ids), label="ids")
+
+    @rule(data=st.data())
+    def call(self, data):
+        STEPS["count"] += 1
+        layer, ids = self._draw_call(data)
         provider = self.layers[layer]
         before = provider.stats
         resident_before = {(i, e) for i, p in enumerate(self.layers) for e in p.resident()}
@@ -95,6 +100,32 @@ class SharedPoolLRU(RuleBasedStateMachine):
         assert resident_after - resident_before == set(misses)
         expected_slots = [self.model.order[(layer, e)] for e in ids]
         assert result.topk_ids.reshape(-1).tolist() == expected_slots
+
+    @rule(data=st.data(), failure=st.sampled_from([RuntimeError, KeyboardInterrupt]))
+    def failing_copy(self, data, failure):
+        """The copy fails after its first tensor: rolled back, as if never called."""
+        STEPS["count"] += 1
+        layer, ids = self._draw_call(data)
+
+        def copy_then_fail(pairs):
+            destination, source = pairs[0]
+            destination.copy_(source)
+            raise failure("injected copy failure")
+
+        provider = self.layers[layer]
+        if all(provider.slot_of(e) >= 0 for e in ids):  # no miss: nothing to copy, it completes
+            provider.prepare(torch.tensor(ids).reshape(1, -1))
+            self.model.call([(layer, e) for e in ids])
+            return
+        before, slot_bytes = self._snapshot(), self.pool.buffer.clone()
+        original, self.pool.copy_expert = self.pool.copy_expert, copy_then_fail
+        try:
+            with pytest.raises(failure):
+                provider.prepare(torch.tensor(ids).reshape(1, -1))
+        finally:
+            self.pool.copy_expert = original
+        assert self._snapshot() == before
+        assert torch.equal(self.pool.buffer, slot_bytes), "slot bytes changed"
 
     @rule(data=st.data())
     def overfull_call(self, data):
@@ -139,7 +170,7 @@ class SharedPoolLRU(RuleBasedStateMachine):
             for index, expert in owners:
                 assert self.layers[index].slot_of(expert) == slot
         assert resident <= self.pool.num_slots
-        assert self.pool.records.data_ptr() == self.address
+        assert self.pool.buffer.data_ptr() == self.address
 
 
 def test_lru_matches_ordered_dict_model():

@@ -1,4 +1,4 @@
-"""The manifest reports the real allocations: pool buffer, host records, pinned bytes."""
+"""The manifest reports the real allocations: pool buffer, host buffers, pinned bytes."""
 
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ def test_layer_manifest_equals_the_allocations(tmp_path):
         assert entries[name].shape == tuple(tensor.shape[1:])
         assert entries[name].dtype == str(tensor.dtype).removeprefix("torch.")
         assert entries[name].bytes * tensor.shape[0] == tensor.nbytes
-    record_bytes = provider.pool.records.shape[1]
-    assert manifest.record_bytes == record_bytes
+    assert manifest.expert_bytes == sum(entry.bytes for entry in manifest.tensors)
     assert manifest.num_slots == 3
-    assert manifest.pool_gpu_bytes == provider.pool.records.untyped_storage().nbytes()
-    assert manifest.pool_gpu_bytes == 3 * record_bytes
-    assert manifest.host_bytes == provider.store.records.untyped_storage().nbytes()
-    assert manifest.host_bytes == 6 * record_bytes
+    assert manifest.pool_gpu_bytes == provider.pool.buffer.untyped_storage().nbytes()
+    assert manifest.pool_gpu_bytes == provider.pool.layout.buffer_bytes(3)
+    assert manifest.host_bytes == provider.store.buffer.untyped_storage().nbytes()
+    assert manifest.host_bytes == provider.pool.layout.buffer_bytes(6)
+    # the alignment padding between regions is all that is added
+    assert 0 <= manifest.host_bytes - 6 * manifest.expert_bytes < 256 * len(manifest.tensors)
     assert manifest.pinned_host_bytes == 0  # a CPU-only store is plain memory
     assert manifest.full_residency_gpu_bytes == sum(t.nbytes for t in weights.values())
     assert manifest.gpu_bytes_freed == manifest.full_residency_gpu_bytes - manifest.pool_gpu_bytes
@@ -46,8 +47,8 @@ def test_model_manifest_counts_a_shared_pool_once():
     manifest = build_manifest(layers)
     assert manifest.layers == 3 and manifest.experts == 18
     assert manifest.num_slots == 5
-    assert manifest.pool_gpu_bytes == pool.records.untyped_storage().nbytes()
-    assert manifest.host_bytes == sum(p.store.records.untyped_storage().nbytes() for p in layers)
+    assert manifest.pool_gpu_bytes == pool.buffer.untyped_storage().nbytes()
+    assert manifest.host_bytes == sum(p.store.buffer.untyped_storage().nbytes() for p in layers)
     assert manifest.full_residency_gpu_bytes == 3 * sum(t.nbytes for t in weights.values())
 
 
@@ -65,8 +66,8 @@ def test_gpu_manifest_counts_pinned_bytes_and_the_device_allocation():
     allocated = torch.cuda.memory_allocated() - before
     provider = CachedWeightProvider(weights, pool=pool)
     manifest = provider.manifest()
-    assert manifest.pool_gpu_bytes == pool.records.nbytes
+    assert manifest.pool_gpu_bytes == pool.buffer.nbytes
     # the caching allocator hands out 512-byte blocks; the pool asks for exactly its bytes
     assert allocated == -(-manifest.pool_gpu_bytes // 512) * 512
-    assert provider.store.records.is_pinned()
-    assert manifest.pinned_host_bytes == manifest.host_bytes == 6 * manifest.record_bytes
+    assert provider.store.buffer.is_pinned()
+    assert manifest.pinned_host_bytes == manifest.host_bytes == pool.layout.buffer_bytes(6)

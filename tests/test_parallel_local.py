@@ -105,7 +105,7 @@ def test_one_rank_with_half_the_experts(device):
         distinct_local += len({e for e in ids.flatten().tolist() if e >= 0 and e % 2 == 0})
     stats = rank.stats
     assert stats.hits + stats.misses == distinct_local
-    assert stats.bytes_h2d == stats.misses * rank.provider.pool.layout.record_bytes
+    assert stats.bytes_h2d == stats.misses * rank.provider.pool.layout.expert_bytes
 
 
 @pytest.mark.parametrize("device", devices())

@@ -34,8 +34,7 @@ def test_pacing_stays_off_unless_asked_with_several_ranks(world_size, enabled):
     assert CopyPacer(world_size=2, enabled=True).engaged
 
 
-# chunk sizes: 1 byte, uneven, one field, exactly one record (512 bytes: w1 256 + w2 128
-# padded to 256), larger than a record
+# chunk sizes: 1 byte, uneven, exactly w1 (256 bytes; w2 is 128), twice w1, larger than both
 @pytest.mark.parametrize("chunk_bytes", [1, 100, 256, 512, 10_000], ids=str)
 def test_chunked_copies_fill_slots_byte_for_byte(chunk_bytes):
     gen = torch.Generator().manual_seed(chunk_bytes)
@@ -49,10 +48,10 @@ def test_chunked_copies_fill_slots_byte_for_byte(chunk_bytes):
             slot = provider.slot_of(expert)
             assert torch.equal(result.w1[slot], weights["w1"][expert])
             assert torch.equal(result.w2[slot], weights["w2"][expert])
-    record_bytes = provider.pool.layout.record_bytes
-    assert record_bytes == 512
-    assert pacer.stats.records == provider.stats.misses
-    assert pacer.stats.chunks == provider.stats.misses * math.ceil(record_bytes / chunk_bytes)
+    sizes = [spec.nbytes for spec in provider.pool.layout.specs]
+    assert sizes == [256, 128]
+    assert pacer.stats.experts == provider.stats.misses
+    assert pacer.stats.chunks == provider.stats.misses * sum(math.ceil(size / chunk_bytes) for size in sizes)
     assert pacer.stats.holds == 0  # nothing was in flight
 
 
@@ -61,7 +60,7 @@ def test_a_chunk_waits_once_for_a_running_collective():
     destination, source = torch.zeros(16, dtype=torch.uint8), torch.arange(16, dtype=torch.uint8)
     running = FakeWork(completed=False)
     pacer.track(running)
-    pacer.copy(destination, source)
+    pacer.copy([(destination, source)])
     assert torch.equal(destination, source)
     assert running.waits == 1 and pacer.stats.holds == 1 and pacer.stats.chunks == 4
 
@@ -70,19 +69,19 @@ def test_a_finished_or_released_collective_holds_nothing():
     pacer = CopyPacer(world_size=2, enabled=True, chunk_bytes=8)
     finished = FakeWork(completed=True)
     pacer.track(finished)
-    pacer.copy(torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8))
+    pacer.copy([(torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8))])
     running = FakeWork(completed=False)
     pacer.track(running)
     pacer.release()
-    pacer.copy(torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8))
+    pacer.copy([(torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8))])
     assert finished.waits == running.waits == pacer.stats.holds == 0
 
 
 def test_a_disengaged_pacer_leaves_the_pool_alone():
     provider = CachedWeightProvider(random_weights(2, 8, 4), cache_size=1, device="cpu")
-    before = provider.pool.copy_record
+    before = provider.pool.copy_expert
     CopyPacer(world_size=1, enabled=True).install(provider.pool)
-    assert provider.pool.copy_record is before
+    assert provider.pool.copy_expert is before
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, -1, 1.5])

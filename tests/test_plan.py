@@ -91,7 +91,7 @@ def test_cli_reads_expert_bytes_from_a_manifest(tmp_path, capsys):
     provider = CachedWeightProvider(weights, cache_size=2, device="cpu")
     provider.manifest().write(tmp_path / "manifest.json")
     _trace().save(tmp_path / "trace.npz")
-    record = provider.manifest().record_bytes
+    record = provider.manifest().expert_bytes
     args = ["plan", "--trace", str(tmp_path / "trace.npz"), "--manifest"]
     args += [str(tmp_path / "manifest.json"), "--no-progress"]
     args += ["--gpu-budget", str(4 * record / 1e9)]

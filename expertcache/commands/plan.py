@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     expert_bytes = args.expert_bytes
     if args.manifest:
         manifest = Manifest.read(args.manifest)
-        expert_bytes = manifest.record_bytes
+        expert_bytes = manifest.expert_bytes
         per_layer = manifest.experts // manifest.layers
         if per_layer != trace.num_experts:
             note = f"the manifest has {per_layer} experts per layer, the trace {trace.num_experts}"

@@ -6,7 +6,7 @@ host memory system that both saturate), the copies can slow the collective that 
 waits for, while the copied expert is needed only later by this rank. The pacer trades the
 overlap for an unhindered collective:
 
-* copies go in chunks of ``chunk_bytes`` (one expert record is ~9.4 MB for Qwen3-30B-A3B);
+* copies go in chunks of ``chunk_bytes`` (one expert is ~9.4 MB for Qwen3-30B-A3B);
 * before each chunk, when a tracked collective has not completed, the copy is ordered
   after it (``Work.wait()``: on CUDA the current stream waits, the host does not block)
   and counted as a hold.
@@ -16,7 +16,7 @@ collective, so the first chunk takes the hold and the rest queue behind it; the 
 check matters once copies are issued over time (a background prefetcher).
 
 Off by default; `CopyPacer.engaged` is false with a single rank, where there is no
-collective to protect. It hooks into the copy path through `SlotPool.copy_record` only and
+collective to protect. It hooks into the copy path through `SlotPool.copy_expert` only and
 never changes which bytes land where. Whether it helps is a measurement
 (``benchmarks/bench_ep.py``): on NVLink-connected GPUs the collective does not cross PCIe
 and pacing can only remove overlap.
@@ -24,6 +24,7 @@ and pacing can only remove overlap.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +41,12 @@ class PacingStats:
     """Counters of one pacer.
 
     Attributes:
-        records: expert records copied through the pacer.
-        chunks: copies issued (a record of ``B`` bytes takes ``ceil(B / chunk_bytes)``).
+        experts: experts copied through the pacer.
+        chunks: copies issued (a tensor of ``B`` bytes takes ``ceil(B / chunk_bytes)``).
         holds: times a chunk was ordered after a collective still in flight.
     """
 
-    records: int = 0
+    experts: int = 0
     chunks: int = 0
     holds: int = 0
 
@@ -74,7 +75,7 @@ class CopyPacer:
     def install(self, pool: SlotPool) -> None:
         """Route ``pool``'s copies through this pacer when engaged; else leave it alone."""
         if self.engaged:
-            pool.copy_record = self.copy
+            pool.copy_expert = self.copy
 
     def track(self, work: PendingWork) -> None:
         """A collective has been issued; copies from now on wait for it while it runs."""
@@ -84,16 +85,17 @@ class CopyPacer:
         """The caller has ordered itself after the tracked collective; stop holding."""
         self._in_flight = None
 
-    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
-        """Copy one record (``[record_bytes]`` uint8, host -> slot) in paced chunks."""
-        total = int(source.numel())
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy one expert's tensors (``(slot tensor, store tensor)`` pairs) in paced chunks."""
         chunks = holds = 0
-        for start in range(0, total, self.chunk_bytes):
-            holds += self._hold()
-            end = min(start + self.chunk_bytes, total)
-            destination[start:end].copy_(source[start:end], non_blocking=True)
-            chunks += 1
-        self._stats = PacingStats(self._stats.records + 1, self._stats.chunks + chunks, self._stats.holds + holds)
+        for destination, source in pairs:
+            dst, src = destination.reshape(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
+            for start in range(0, src.numel(), self.chunk_bytes):
+                holds += self._hold()
+                end = min(start + self.chunk_bytes, src.numel())
+                dst[start:end].copy_(src[start:end], non_blocking=True)
+                chunks += 1
+        self._stats = PacingStats(self._stats.experts + 1, self._stats.chunks + chunks, self._stats.holds + holds)
 
     def _hold(self) -> int:
         work = self._in_flight

@@ -55,6 +55,21 @@ def make_policy(policy: str | EvictionPolicy, *, capacity: int) -> EvictionPolic
     return cls(capacity=capacity)
 
 
+def claim_policy(policy: str | EvictionPolicy, *, capacity: int, owner: object) -> EvictionPolicy:
+    """`make_policy`, then bind the policy to ``owner``, the one cache that will drive it.
+
+    Raises:
+        ValueError: an unknown name; an instance built for another capacity; an instance
+            that already drives another cache.
+        TypeError: neither a name nor an `EvictionPolicy`.
+    """
+    chosen = make_policy(policy, capacity=capacity)
+    if chosen.capacity != capacity:
+        raise ValueError(f"the {chosen.name!r} policy instance was built for capacity {chosen.capacity}, not {capacity}")
+    chosen.claim(owner)
+    return chosen
+
+
 __all__ = [
     "POLICIES",
     "ARCPolicy",
@@ -67,5 +82,6 @@ __all__ = [
     "LRUPolicy",
     "LeastStalePolicy",
     "SLRUPolicy",
+    "claim_policy",
     "make_policy",
 ]

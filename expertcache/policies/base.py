@@ -1,13 +1,16 @@
 """The eviction-policy interface shared by the runtime cache and the trace simulator.
 
-A policy only orders keys; it never touches tensors or slots. The slot table drives it with
-one signal per event, in this order for every call:
+A policy only orders keys; it never touches tensors or slots. A cache drives it in this
+order for every call (`expertcache.call_plan`):
 
 1. ``begin_call(keys)`` with the call's distinct keys in first-appearance order;
-2. for each key in that order: ``on_hit(key)`` if resident, else, when the cache is full,
-   ``choose_victim(protected, incoming=key)`` then ``on_evict(victim)``, then
-   ``on_miss(key)`` once the key holds a slot;
-3. ``end_call()``.
+2. planning: ``choose_victim(protected, incoming=key)`` once per miss that finds no free
+   slot, in first-appearance order, every choice on the state before the call (it must not
+   change the policy; ``protected`` grows by each victim chosen);
+3. either the call happens: for each key in order ``on_hit(key)``, or ``on_evict(victim)``
+   (when it took one) then ``on_miss(key)``; then ``end_call()``;
+   or it is rolled back (a copy failed, an interrupt): ``abort_call()``, which undoes what
+   ``begin_call`` (and a ``begin_forward`` just before it) changed.
 
 Two optional signals carry what some policies need beyond one call:
 
@@ -45,11 +48,31 @@ class EvictionPolicy(ABC):
         """``capacity``: how many keys the cache holds (ARC, SLRU and others size by it)."""
         self.capacity = capacity
 
+    def claim(self, owner: object) -> None:
+        """Bind this instance to the one cache that drives it.
+
+        A policy's state describes one cache's keys: a second cache (slot pool, simulator
+        table, replay) driving the same instance would corrupt both.
+
+        Raises:
+            ValueError: the instance already belongs to a cache.
+        """
+        if getattr(self, "_owner", None) is not None:
+            raise ValueError(
+                f"this {type(self).__name__} instance already drives another cache; give each cache its "
+                f"own instance, or pass the policy's name ({self.name!r})"
+            )
+        self._owner = id(owner)
+
     def begin_call(self, keys: Sequence[Key]) -> None:  # noqa: B027 - optional hook
         """A call starts; ``keys`` are its distinct keys in first-appearance order."""
 
     def end_call(self) -> None:  # noqa: B027 - optional hook
         """The call's admissions are done."""
+
+    def abort_call(self) -> None:  # noqa: B027 - optional hook
+        """The call that ``begin_call`` started was rolled back: forget it (and the
+        ``begin_forward`` just before it, if any). No other signal came in between."""
 
     def begin_forward(self) -> None:  # noqa: B027 - optional hook
         """A forward pass starts: the calls that follow (one per layer) belong to it."""

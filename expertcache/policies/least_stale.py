@@ -33,15 +33,32 @@ class LeastStalePolicy(RankedPolicy):
         super().__init__(capacity)
         self.forwards = 0
         self._explicit_forwards = False
+        self._before_call: tuple[int, bool] | None = None  # restored by abort_call
 
     def begin_forward(self) -> None:
+        self._remember()
         self._explicit_forwards = True
         self.forwards += 1
 
     def begin_call(self, keys: Sequence[Key]) -> None:
+        self._remember()
         super().begin_call(keys)
         if not self._explicit_forwards:
             self.forwards += 1
+
+    def end_call(self) -> None:
+        super().end_call()
+        self._before_call = None
+
+    def abort_call(self) -> None:
+        super().abort_call()
+        if self._before_call is not None:
+            self.forwards, self._explicit_forwards = self._before_call
+        self._before_call = None
+
+    def _remember(self) -> None:
+        if self._before_call is None:
+            self._before_call = (self.forwards, self._explicit_forwards)
 
     def _on_use(self, key: Key, row: int, *, hit: bool) -> None:
         self._set("last_forward", row, self.forwards)

@@ -74,6 +74,10 @@ class RankedPolicy(EvictionPolicy):
     def end_call(self) -> None:
         self._victim_order = None
 
+    def abort_call(self) -> None:
+        self.calls -= 1
+        self._victim_order = None
+
     def on_hit(self, key: Key) -> None:
         self._use(key, self._row[key], hit=True)
 

@@ -18,8 +18,8 @@ from expertcache.cached_provider import CachedWeightProvider
 from expertcache.config import ExpertCacheConfig
 from expertcache.errors import PinBudgetError
 from expertcache.integrations.transformers.discovery import ExpertBlock
-from expertcache.layout import RecordLayout, layout_from_weights
-from expertcache.slot_pool import DeviceSlotPool, SlotPool
+from expertcache.layout import ExpertLayout, layout_from_weights
+from expertcache.slot_pool import SlotPool
 
 
 @dataclass
@@ -59,14 +59,14 @@ def _weights(block: ExpertBlock) -> dict[str, torch.Tensor]:
     return {block.cache_name(name): block.module.get_parameter(name).detach() for name in block.parameter_names}
 
 
-def block_layout(block: ExpertBlock) -> RecordLayout:
+def block_layout(block: ExpertBlock) -> ExpertLayout:
     """The record layout the block's experts would have in the cache (metadata only)."""
     return layout_from_weights(_weights(block))[1]
 
 
-def check_pin_budget(blocks: list[ExpertBlock], layouts: list[RecordLayout], budget: int | None) -> None:
+def check_pin_budget(blocks: list[ExpertBlock], layouts: list[ExpertLayout], budget: int | None) -> None:
     """Raise `PinBudgetError` when the stores of all blocks together would exceed ``budget``."""
-    needed = sum(block.num_experts * layout.record_bytes for block, layout in zip(blocks, layouts, strict=True))
+    needed = sum(layout.buffer_bytes(block.num_experts) for block, layout in zip(blocks, layouts, strict=True))
     if budget is not None and needed > budget:
         raise PinBudgetError(needed, budget)
 
@@ -79,8 +79,7 @@ def shared_pool(blocks, layouts, config: ExpertCacheConfig, target: torch.device
                 f"budget 'global' needs every MoE layer's experts to have the same shapes, but "
                 f"{block.name} differs from {blocks[0].name}; use budget 'per-layer'"
             )
-    pool_class = DeviceSlotPool if config.mode == "device" else SlotPool
-    return pool_class(layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy)
+    return SlotPool(layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy, mode=config.mode)
 
 
 def _provider(block, config: ExpertCacheConfig, target, pool) -> CachedWeightProvider:

@@ -1,0 +1,120 @@
+"""Device mode's ``prepare``: the LRU admission kernel plans and commits, the copy kernel moves.
+
+No host sync and fixed shapes, so the call can be captured in a CUDA graph::
+
+    admission kernel   ids -> keys, hits, victims (LRU), tables updated, plan, slot ids
+    copy kernel        the plan's experts, every registered tensor, host -> slots
+
+Both launches are one ``torch.library`` custom op, ``expertcache::prepare_on_device``, with
+a fake implementation and its mutations declared (the pool's state buffer and slot
+buffer), so ``torch.compile(fullgraph=True)`` of a layer calling ``provider.prepare``
+traces without a graph break. Outside a capture the op snapshots the state buffer first
+(one device copy) and restores it if a launch raises, so a failed call changes nothing.
+
+A call of more ids than slots could need more distinct experts than fit: eagerly it is
+checked on the host first (one sync), raising like host mode; inside a CUDA graph such a
+call is refused (the kernel alone would only flag it, in ``stats.overflows``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from expertcache.call_guards import deferred_interrupts
+from expertcache.errors import CacheCapacityError
+from expertcache.host_prepare import local_keys
+from expertcache.kernels._launch import on_device
+from expertcache.kernels.admission import admit
+from expertcache.kernels.slot_tables import SlotTables
+from expertcache.mover import copy_with_kernel
+from expertcache.policies import EvictionPolicy
+
+if TYPE_CHECKING:
+    from expertcache.slot_pool import PoolLayer, SlotPool
+
+#: The only eviction policy the device kernel implements.
+DEVICE_POLICIES = ("lru",)
+
+_POOLS: weakref.WeakValueDictionary[int, SlotPool] = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+def device_policy(policy: str | EvictionPolicy) -> None:
+    """Check a device-mode policy setting (the kernel is LRU; there is no policy object)."""
+    if isinstance(policy, EvictionPolicy):
+        raise TypeError(
+            "device mode decides on the GPU with its own LRU and cannot drive a policy object; "
+            "pass policy='lru' or use mode='host'"
+        )
+    if not isinstance(policy, str) or policy.lower() not in DEVICE_POLICIES:
+        raise ValueError(f"device mode implements only {DEVICE_POLICIES}, got policy={policy!r}")
+
+
+def register(pool: SlotPool) -> int:
+    """A number naming ``pool`` inside the custom op (ops take tensors and ints, not objects)."""
+    number = next(_IDS)
+    _POOLS[number] = pool
+    return number
+
+
+def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Device-mode ``SlotPool.prepare`` (see the module docstring)."""
+    if topk_ids.numel() > pool.num_slots:
+        if pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"a CUDA graph can hold a call of at most num_slots={pool.num_slots} ids (got "
+                f"{topk_ids.numel()}): only then can it never need more experts than there are slots"
+            )
+        keys = local_keys(layer, topk_ids.cpu().numpy())  # prefill: a sync is cheap here
+        if len(keys) > pool.num_slots:
+            raise CacheCapacityError(len(keys), pool.num_slots)
+    return torch.ops.expertcache.prepare_on_device(
+        topk_ids.contiguous(), pool.tables.buffer, pool.buffer, pool.op_id, layer.index
+    )
+
+
+@torch.library.custom_op("expertcache::prepare_on_device", mutates_args=("state", "slots"))
+def _prepare_on_device(topk_ids: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, pool: int, layer: int) -> torch.Tensor:
+    owner = _POOLS[pool]
+    entry = owner.ordered_layers[layer]
+    tables = owner.tables if state.data_ptr() == owner.tables.buffer.data_ptr() else _view_like(owner.tables, state)
+    out = torch.empty_like(topk_ids)
+    with owner.guard, on_device(owner.device), deferred_interrupts():
+        backup = _snapshot(owner, state)
+        try:
+            admit(
+                tables, topk_ids, entry.global_to_local, out,
+                num_global=entry.num_global, key_offset=entry.key_offset, layer=entry.index,
+            )  # fmt: skip
+            copy_with_kernel(
+                slots, entry.store, tables.plan, entry.segments, entry.chunks_per_expert,
+                unit=owner.layout.copy_unit, num_slots=owner.num_slots,
+            )  # fmt: skip
+        except BaseException:
+            if backup is not None:
+                state.copy_(backup)
+            raise
+    return out
+
+
+@_prepare_on_device.register_fake
+def _(topk_ids: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, pool: int, layer: int) -> torch.Tensor:
+    return torch.empty_like(topk_ids)
+
+
+def _snapshot(pool: SlotPool, state: torch.Tensor) -> torch.Tensor | None:
+    """A copy of the state to roll back to; none inside a capture (nothing runs until replay)."""
+    if pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if pool.backup is None or pool.backup.shape != state.shape:
+        with torch.inference_mode(False):
+            pool.backup = torch.empty_like(state)
+    return pool.backup.copy_(state)
+
+
+def _view_like(tables: SlotTables, buffer: torch.Tensor) -> SlotTables:
+    return SlotTables.view(buffer, tables.num_keys, tables.num_slots, tables.num_layers)

@@ -1,0 +1,154 @@
+"""Host mode's ``prepare``: any policy plans on the host, the device tables stay the truth.
+
+One call, each step after the first able to fail without leaving a trace::
+
+    read    ids and the expert -> slot table to the host (one sync); range-check, map global
+            -> local, deduplicate into keys; refuse more keys than slots
+    plan    `call_plan.plan_call` on that snapshot: hits, loads, victims (the policy hears
+            only that the call begins)
+    move    the plan's copies (copy engine, or upload + copy kernel)        -+ rolled back
+    commit  upload the plan, one kernel: tables updated, call counted,       | on any error
+            ids remapped to slots                                            -+
+    tell    the policy hears of the call (`call_plan.tell_policy`)
+
+``SIGINT`` is held from plan to tell (`call_guards.deferred_interrupts`); an exception
+there restores the slots the plan overwrote (`mover.restore_slots`) and makes the policy
+forget the call (``abort_call``); the tables and counters were never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from expertcache.call_guards import deferred_interrupts
+from expertcache.call_plan import CallPlan, plan_call, tell_policy
+from expertcache.errors import CacheCapacityError
+from expertcache.kernels._launch import on_device
+from expertcache.kernels.commit import commit_plan
+from expertcache.mover import copy_with_engine, copy_with_kernel, restore_slots
+
+if TYPE_CHECKING:
+    from expertcache.slot_pool import PoolLayer, SlotPool
+
+
+class ForwardTracker:
+    """Infers forward-pass starts for policies that rank by them: a layer coming round again."""
+
+    def __init__(self) -> None:
+        self._seen: set[Hashable] = set()
+
+    def starts_forward(self, layer: Hashable) -> bool:
+        """Whether a call of ``layer`` now would start a pass (changes nothing)."""
+        return not self._seen or layer in self._seen
+
+    def record(self, layer: Hashable) -> None:
+        """A call of ``layer`` completed."""
+        if layer in self._seen:
+            self._seen.clear()
+        self._seen.add(layer)
+
+
+def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Host-mode ``SlotPool.prepare`` (see the module docstring)."""
+    with pool.guard, on_device(pool.device):
+        ids_host, table = _read(pool, topk_ids)
+        keys = local_keys(layer, ids_host)
+        if len(keys) > pool.num_slots:
+            raise CacheCapacityError(len(keys), pool.num_slots)
+        ids = topk_ids.contiguous()
+        out = torch.empty_like(ids)
+        starts_forward = pool.forward.starts_forward(layer.name)
+        with deferred_interrupts():
+            plan = plan_call(
+                keys, table[keys].tolist(), slot_of=lambda key: int(table[key]),
+                free_slots=lambda: _free_slots(table, pool.num_slots), policy=pool.policy,
+                starts_forward=starts_forward,
+            )  # fmt: skip
+            try:
+                _upload(pool, layer, plan)
+                _move(pool, layer, plan)
+                _commit(pool, layer, plan, ids, out)
+            except BaseException:
+                restore_slots(pool.tensors, plan.loads, lambda key: _store_of(pool, key))
+                pool.policy.abort_call()
+                raise
+            pool.forward.record(layer.name)
+            tell_policy(plan, pool.policy)
+        return out
+
+
+def local_keys(layer: PoolLayer, ids_host: np.ndarray) -> list[int]:
+    """The call's distinct keys (``key_offset + local expert``) in first-appearance order.
+
+    Raises:
+        IndexError: an id outside ``[0, E_global)``.
+    """
+    flat = ids_host.reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= layer.num_global):
+        bad = flat[(flat < 0) | (flat >= layer.num_global)][0]
+        raise IndexError(f"expert id {bad} in topk_ids is outside [0, {layer.num_global})")
+    local = layer.global_to_local_host[flat]
+    local = local[local >= 0]
+    _, first = np.unique(local, return_index=True)
+    return (local[np.sort(first)] + layer.key_offset).tolist()
+
+
+def _read(pool: SlotPool, topk_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """``topk_ids`` and ``expert_to_slot`` on the host: the call's one sync."""
+    table = pool.tables.expert_to_slot
+    if pool.device.type != "cuda":
+        return topk_ids.numpy(), table.numpy().copy()
+    ids_host = topk_ids.to("cpu", non_blocking=True)
+    table_host = table.to("cpu", non_blocking=True)
+    torch.cuda.current_stream(pool.device).synchronize()
+    return ids_host.numpy(), table_host.numpy()
+
+
+def _free_slots(table: np.ndarray, num_slots: int) -> Iterator[int]:
+    occupied = np.zeros(num_slots, dtype=bool)
+    occupied[table[table >= 0]] = True
+    return iter(np.flatnonzero(~occupied).tolist())
+
+
+def _upload(pool: SlotPool, layer: PoolLayer, plan: CallPlan) -> None:
+    """Write the plan's entries (expert, slot, key, evicted key) into the device plan."""
+    if not plan.loads:
+        return
+    entries = [
+        (load.key - layer.key_offset, load.slot, load.key, -1 if load.evicted is None else load.evicted)
+        for load in plan.loads
+    ]
+    flat = torch.tensor([len(entries), *(value for entry in entries for value in entry)], dtype=torch.int32)
+    target = pool.tables.plan[: flat.numel()]
+    if pool.device.type == "cuda":
+        flat = flat.pin_memory()  # the caching host allocator keeps it alive until the copy ran
+    target.copy_(flat, non_blocking=True)
+
+
+def _move(pool: SlotPool, layer: PoolLayer, plan: CallPlan) -> None:
+    if not plan.loads:
+        return
+    if pool.mover == "engine":
+        copy_with_engine(pool.tensors, layer.store, plan.loads, layer.key_offset, pool.copy_expert)
+        return
+    copy_with_kernel(
+        pool.buffer, layer.store, pool.tables.plan, layer.segments, layer.chunks_per_expert,
+        unit=pool.layout.copy_unit, num_slots=pool.num_slots,
+    )  # fmt: skip
+
+
+def _commit(pool: SlotPool, layer: PoolLayer, plan: CallPlan, ids: torch.Tensor, out: torch.Tensor) -> None:
+    commit_plan(
+        pool.tables, ids, layer.global_to_local, out,
+        counts=(len(plan.hits), len(plan.loads), len(plan.evictions)), has_plan=bool(plan.loads),
+        num_global=layer.num_global, key_offset=layer.key_offset, layer=layer.index,
+    )  # fmt: skip
+
+
+def _store_of(pool: SlotPool, key: object):
+    owner, expert = pool.owner_of(key)
+    return owner.store, expert

@@ -1,0 +1,149 @@
+"""Copy kernel: move every registered tensor of the planned experts host -> slots in one launch.
+
+The plan stays on the device (``plan[0]`` copies; entry r names a store row and a slot, see
+`expertcache.kernels.slot_tables`), so the step needs no host read and the launch replays
+in a CUDA graph. On a GPU the source is pinned host memory read through its mapped device
+address (UVA).
+
+Source and destination are two flat byte buffers, each carved into one contiguous region
+per tensor name (`expertcache.layout`); a ``segments`` table gives, per name, in copy words
+(``unit`` bytes each)::
+
+    segments [names, 4] int64:  source offset | slot offset | words per expert | first chunk
+
+so expert ``e`` of name ``n`` is ``source[src_off[n] + e * words[n] ...]`` and slot ``s``
+is ``slots[dst_off[n] + s * words[n] ...]``. Each expert is cut into chunks of ``BLOCK``
+words (per name), dealt round-robin to a fixed number of programs, which keeps enough PCIe
+reads in flight to approach the copy engine's bandwidth. Entries naming a row or slot out
+of range are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from expertcache.kernels._launch import runs_on
+
+# Measured on an H200 (benchmarks/README.md): 64 x 4096 is best or within 2 GB/s of the best
+# grid for 1 to 32 experts of 9.4 MB and 44 MB.
+DEFAULT_PROGRAMS = 64
+DEFAULT_BLOCK = 4096  # words per chunk
+_WORD = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@triton.jit
+def _copy_experts_kernel(
+    source_ptr, slots_ptr, plan_ptr, segments_ptr, num_experts, num_slots, chunks_per_expert,
+    BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):  # fmt: skip
+    count = tl.minimum(tl.load(plan_ptr), num_slots)
+    for work in range(tl.program_id(0), count * chunks_per_expert, NUM_PROGRAMS):
+        rank = work // chunks_per_expert
+        chunk = work % chunks_per_expert
+        expert = tl.load(plan_ptr + 1 + 4 * rank).to(tl.int64)
+        slot = tl.load(plan_ptr + 2 + 4 * rank).to(tl.int64)
+        segment = 0
+        for n in tl.static_range(1, NUM_SEGMENTS):
+            segment += (chunk >= tl.load(segments_ptr + 4 * n + 3)).to(tl.int32)
+        row = segments_ptr + 4 * segment
+        words = tl.load(row + 2)
+        offsets = (chunk - tl.load(row + 3)) * BLOCK + tl.arange(0, BLOCK)
+        ok = (expert >= 0) & (expert < num_experts) & (slot >= 0) & (slot < num_slots)
+        mask = offsets < tl.where(ok, words, 0)
+        values = tl.load(source_ptr + tl.load(row) + expert * words + offsets, mask=mask)
+        tl.store(slots_ptr + tl.load(row + 1) + slot * words + offsets, values, mask=mask)
+
+
+def build_segments(
+    source_offsets: tuple[int, ...], slot_offsets: tuple[int, ...], expert_bytes: tuple[int, ...], unit: int, block: int
+) -> tuple[torch.Tensor, int]:
+    """The ``[names, 4]`` int64 segments table (CPU) and the chunks of one expert.
+
+    Args:
+        source_offsets, slot_offsets: byte offset of each name's region in the two buffers.
+        expert_bytes: bytes of one expert of each name.
+        unit: bytes of a copy word; must divide every offset and size.
+        block: words per chunk.
+    """
+    rows, first = [], 0
+    for src, dst, nbytes in zip(source_offsets, slot_offsets, expert_bytes, strict=True):
+        if src % unit or dst % unit or nbytes % unit:
+            raise ValueError(f"offsets and sizes must be multiples of the copy word ({unit} bytes)")
+        rows.append([src // unit, dst // unit, nbytes // unit, first])
+        first += triton.cdiv(nbytes // unit, block)
+    return torch.tensor(rows, dtype=torch.int64), first
+
+
+def copy_experts_torch(
+    source: torch.Tensor, slots: torch.Tensor, plan: torch.Tensor, segments: torch.Tensor, *, unit: int
+) -> None:
+    """Reference of `copy_experts`: for every plan entry, each name's expert words into its slot."""
+    source_words, slot_words = source.view(_WORD[unit]), slots.view(_WORD[unit])
+    count = int(plan[0])
+    for expert, slot, _, _ in plan[1 : 1 + 4 * count].view(-1, 4).tolist():
+        for src, dst, words, _ in segments.tolist():
+            chunk = source_words[src + expert * words : src + (expert + 1) * words]
+            slot_words[dst + slot * words : dst + (slot + 1) * words] = chunk.to(slots.device)
+
+
+def copy_experts(
+    source: torch.Tensor,
+    slots: torch.Tensor,
+    plan: torch.Tensor,
+    segments: torch.Tensor,
+    chunks_per_expert: int,
+    *,
+    unit: int,
+    num_experts: int,
+    num_slots: int,
+    num_programs: int = DEFAULT_PROGRAMS,
+    block: int = DEFAULT_BLOCK,
+) -> None:
+    """Copy the planned experts without reading the plan on the host.
+
+    Args:
+        source: ``[bytes]`` uint8 store buffer: pinned host memory (GPU slots) or any CPU
+            tensor (interpreted).
+        slots: ``[bytes]`` uint8 slot buffer on the device.
+        plan: ``[1 + 4 S]`` int32 plan on the device (`expertcache.kernels.slot_tables`).
+        segments: ``[names, 4]`` int64 on the device, from `build_segments` with ``block``.
+        chunks_per_expert: from `build_segments`.
+        unit: bytes of a copy word (4, 2 or 1).
+        num_experts: rows of the store (entries outside are skipped).
+        num_slots: slots of the pool (entries outside are skipped).
+        num_programs: programs of the persistent grid (fixed: graph-safe).
+        block: words per chunk (a power of two).
+    """
+    if source.dtype != torch.uint8 or slots.dtype != torch.uint8 or source.dim() != 1 or slots.dim() != 1:
+        raise ValueError("source and slots must be flat uint8 buffers")
+    if not runs_on(_copy_experts_kernel, slots):
+        raise RuntimeError("the copy kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
+    word = _WORD[unit]
+    if slots.is_cuda and not source.is_cuda:
+        if not source.is_pinned():
+            raise ValueError("the source buffer must be pinned to be read by the GPU")
+        source_arg: object = MappedHostPointer(source, word)
+    else:
+        source_arg = source.view(word)
+    _copy_experts_kernel[(num_programs,)](
+        source_arg, slots.view(word), plan, segments, num_experts, num_slots, chunks_per_expert,
+        BLOCK=block, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=segments.shape[0], num_warps=warps_for(block),
+    )  # fmt: skip
+
+
+def warps_for(block: int) -> int:
+    """Warps per copy program: more words per chunk, more loads in flight."""
+    return min(16, max(4, block // 512))
+
+
+class MappedHostPointer:
+    """Pinned host memory presented to Triton by address (the launcher maps it to the GPU)."""
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        self._tensor = tensor  # keeps the memory alive
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self._tensor.data_ptr()
