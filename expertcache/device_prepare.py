@@ -6,10 +6,12 @@ No host sync and fixed shapes, so the call can be captured in a CUDA graph::
     copy kernel        the plan's experts, every registered tensor, host -> slots
 
 Both launches are one ``torch.library`` custom op, ``expertcache::prepare_on_device``, with
-a fake implementation and its mutations declared (the pool's state buffer and slot
-buffer), so ``torch.compile(fullgraph=True)`` of a layer calling ``provider.prepare``
+a fake implementation and its mutations declared (the pool's state buffer and its slot
+tensors), so ``torch.compile(fullgraph=True)`` of a layer calling ``provider.prepare``
 traces without a graph break. Outside a capture the op snapshots the state buffer first
-(one device copy) and restores it if a launch raises, so a failed call changes nothing.
+(one device copy); if a launch raises it puts back the slots the admission planned to
+overwrite and then the state (this path reads the plan on the host), so a failed call
+changes nothing.
 
 A call of more ids than slots could need more distinct experts than fit: eagerly it is
 checked on the host first (one sync), raising like host mode; inside a CUDA graph such a
@@ -30,7 +32,8 @@ from expertcache.host_prepare import local_keys
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.admission import admit
 from expertcache.kernels.slot_tables import SlotTables
-from expertcache.mover import copy_with_kernel
+from expertcache.call_plan import Load
+from expertcache.mover import copy_with_kernel, restore_slots
 from expertcache.policies import EvictionPolicy
 
 if TYPE_CHECKING:
@@ -73,16 +76,19 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
         if len(keys) > pool.num_slots:
             raise CacheCapacityError(len(keys), pool.num_slots)
     return torch.ops.expertcache.prepare_on_device(
-        topk_ids.contiguous(), pool.tables.buffer, pool.buffer, pool.op_id, layer.index
+        topk_ids.contiguous(), pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index
     )
 
 
 @torch.library.custom_op("expertcache::prepare_on_device", mutates_args=("state", "slots"))
-def _prepare_on_device(topk_ids: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, pool: int, layer: int) -> torch.Tensor:
+def _prepare_on_device(
+    topk_ids: torch.Tensor, state: torch.Tensor, slots: list[torch.Tensor], pool: int, layer: int
+) -> torch.Tensor:
     owner = _POOLS[pool]
     entry = owner.ordered_layers[layer]
     tables = owner.tables if state.data_ptr() == owner.tables.buffer.data_ptr() else _view_like(owner.tables, state)
     out = torch.empty_like(topk_ids)
+    named = dict(zip(owner.tensors, slots, strict=True))
     with owner.guard, on_device(owner.device), deferred_interrupts():
         backup = _snapshot(owner, state)
         try:
@@ -90,19 +96,16 @@ def _prepare_on_device(topk_ids: torch.Tensor, state: torch.Tensor, slots: torch
                 tables, topk_ids, entry.global_to_local, out,
                 num_global=entry.num_global, key_offset=entry.key_offset, layer=entry.index,
             )  # fmt: skip
-            copy_with_kernel(
-                slots, entry.store, tables.plan, entry.segments, entry.chunks_per_expert,
-                unit=owner.layout.copy_unit, num_slots=owner.num_slots,
-            )  # fmt: skip
+            copy_with_kernel(named, entry.store, tables.plan, entry.copy_groups)
         except BaseException:
             if backup is not None:
-                state.copy_(backup)
+                _roll_back(owner, tables, named, backup)
             raise
     return out
 
 
 @_prepare_on_device.register_fake
-def _(topk_ids: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, pool: int, layer: int) -> torch.Tensor:
+def _(topk_ids: torch.Tensor, state: torch.Tensor, slots: list[torch.Tensor], pool: int, layer: int) -> torch.Tensor:
     return torch.empty_like(topk_ids)
 
 
@@ -114,6 +117,19 @@ def _snapshot(pool: SlotPool, state: torch.Tensor) -> torch.Tensor | None:
         with torch.inference_mode(False):
             pool.backup = torch.empty_like(state)
     return pool.backup.copy_(state)
+
+
+def _roll_back(pool: SlotPool, tables: SlotTables, slots: dict[str, torch.Tensor], backup: torch.Tensor) -> None:
+    """Undo a call that failed after admission ran: its slots, then its tables (syncs)."""
+    if torch.equal(tables.buffer, backup):
+        return  # the admission never ran: nothing to undo
+    count = int(tables.plan[0])
+    loads = [
+        Load(key, slot, None if evicted < 0 else evicted)
+        for _, slot, key, evicted in tables.plan_entries()[:count].tolist()
+    ]
+    restore_slots(slots, loads, pool.store_of)
+    tables.buffer.copy_(backup)
 
 
 def _view_like(tables: SlotTables, buffer: torch.Tensor) -> SlotTables:

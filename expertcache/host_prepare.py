@@ -73,7 +73,7 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
                 _move(pool, layer, plan)
                 _commit(pool, layer, plan, ids, out)
             except BaseException:
-                restore_slots(pool.tensors, plan.loads, lambda key: _store_of(pool, key))
+                restore_slots(pool.tensors, plan.loads, pool.store_of)
                 pool.policy.abort_call()
                 raise
             pool.forward.record(layer.name)
@@ -135,10 +135,7 @@ def _move(pool: SlotPool, layer: PoolLayer, plan: CallPlan) -> None:
     if pool.mover == "engine":
         copy_with_engine(pool.tensors, layer.store, plan.loads, layer.key_offset, pool.copy_expert)
         return
-    copy_with_kernel(
-        pool.buffer, layer.store, pool.tables.plan, layer.segments, layer.chunks_per_expert,
-        unit=pool.layout.copy_unit, num_slots=pool.num_slots,
-    )  # fmt: skip
+    copy_with_kernel(pool.tensors, layer.store, pool.tables.plan, layer.copy_groups)
 
 
 def _commit(pool: SlotPool, layer: PoolLayer, plan: CallPlan, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -147,8 +144,3 @@ def _commit(pool: SlotPool, layer: PoolLayer, plan: CallPlan, ids: torch.Tensor,
         counts=(len(plan.hits), len(plan.loads), len(plan.evictions)), has_plan=bool(plan.loads),
         num_global=layer.num_global, key_offset=layer.key_offset, layer=layer.index,
     )  # fmt: skip
-
-
-def _store_of(pool: SlotPool, key: object):
-    owner, expert = pool.owner_of(key)
-    return owner.store, expert

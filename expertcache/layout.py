@@ -1,16 +1,18 @@
-"""Per-expert tensor registration and where each tensor lives in a buffer of experts.
+"""Per-expert tensor registration, and the two ways experts are laid out in memory.
 
 A quant method declares the tensors one expert has (name, per-expert shape, dtype); the
-cache stores them as opaque bytes by name. A buffer holding ``n`` experts (the host store:
-``n = E``; the GPU slot pool: ``n = S``) is one allocation carved into one contiguous
-*region* per name::
+cache stores them as opaque bytes by name. Every tensor handed to a kernel is a contiguous
+``[n, *shape]`` array: entry ``s`` of tensor ``t`` starts at ``t.data_ptr() + s * t[0].nbytes``.
 
-    buffer:  [ w1: [n, 2I, H] | pad | w2: [n, H, I] | pad | w1_scale: [n, ...] | pad | ... ]
+* The GPU slot pool (``n = S``): one allocation per name (`ExpertLayout.allocate`), so the
+  slot tensors share no storage and ``torch.compile`` can see each one mutated.
+* The host store (``n = E``): one buffer carved into one region per name, pinned once::
 
-so every tensor handed to a kernel is a contiguous ``[n, *shape]`` array: expert (or slot)
-``s`` of tensor ``t`` starts at ``t.data_ptr() + s * t[0].nbytes``. Regions start on
-``ALIGNMENT``-byte boundaries (vectorised loads, and any region can be copied in 32-bit
-words when its sizes allow). A format the cache has never seen needs no cache code.
+      buffer:  [ w1: [E, 2I, H] | pad | w2: [E, H, I] | pad | w1_scale: [E, ...] | pad | ... ]
+
+Regions start on ``ALIGNMENT``-byte boundaries (vectorised loads, and any region can be
+copied in 32-bit words when its sizes allow). A format the cache has never seen needs no
+cache code.
 """
 
 from __future__ import annotations
@@ -89,6 +91,14 @@ class ExpertLayout:
         for spec, offset in zip(self.specs, self.region_offsets(count), strict=True):
             region = buffer[offset : offset + count * spec.nbytes]
             out[spec.name] = region.view(spec.dtype).view(count, *spec.shape)
+        return out
+
+    def allocate(self, count: int, device: torch.device, fill: int) -> dict[str, torch.Tensor]:
+        """One contiguous ``[count, *shape]`` allocation per name, every byte ``fill``."""
+        out = {}
+        for spec in self.specs:
+            raw = torch.full((count * spec.nbytes,), fill, dtype=torch.uint8, device=device)
+            out[spec.name] = raw.view(spec.dtype).view(count, *spec.shape)
         return out
 
     def check_compatible(self, other: ExpertLayout, *, what: str) -> None:

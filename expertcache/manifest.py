@@ -107,7 +107,7 @@ def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:
         layout.check_compatible(provider.pool.layout, what="a provider")
     pools = {id(provider.pool): provider.pool for provider in providers}.values()
     stores = [provider.store for provider in providers]
-    pool_bytes = sum(pool.buffer.untyped_storage().nbytes() for pool in pools)
+    pool_bytes = sum(t.untyped_storage().nbytes() for pool in pools for t in pool.tensors.values())
     host = [store.buffer.untyped_storage().nbytes() for store in stores]
     full = sum(store.num_experts for store in stores) * layout.expert_bytes
     return Manifest(

@@ -7,9 +7,9 @@ Two ways to execute a plan, with the same result in the slot tensors:
   current stream: ordered after every earlier kernel that read the slot, before this
   call's kernels). One copy per registered tensor.
 * ``"kernel"``: the plan lives on the device (device mode, or host mode after uploading
-  it); one launch of the copy kernel (`expertcache.kernels.copy_experts`) reads mapped
-  pinned memory and writes every tensor of every planned expert. The only way inside a
-  CUDA graph.
+  it); one launch of the copy kernel (`expertcache.kernels.copy_experts`) per group of up
+  to eight tensors reads mapped pinned memory and writes every tensor of every planned
+  expert. The only way inside a CUDA graph.
 
 `restore_slots` undoes a plan's copies: a slot that held a victim gets the victim's
 bytes back from its store, a slot that was free gets the poison again.
@@ -18,11 +18,12 @@ bytes back from its store, a slot that was free gets the poison again.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from expertcache.call_plan import Load
-from expertcache.kernels.copy_experts import copy_experts
+from expertcache.kernels.copy_experts import DEFAULT_BLOCK, MAX_TENSORS, build_segments, copy_experts
 from expertcache.store import CPUBackingStore
 
 MOVERS = ("engine", "kernel")
@@ -49,21 +50,39 @@ def copy_with_engine(
         hook([(slots[name][load.slot], store.tensors[name][expert]) for name in slots])
 
 
+@dataclass(frozen=True)
+class CopyGroup:
+    """Up to eight of a layer's tensors, copied by one kernel launch."""
+
+    names: tuple[str, ...]
+    segments: torch.Tensor  # [names, 3] int64 on the pool's device
+    chunks_per_expert: int
+
+
+def copy_groups(store: CPUBackingStore, device: torch.device) -> tuple[CopyGroup, ...]:
+    """The launches that copy one expert of ``store``'s layout into slot tensors on ``device``."""
+    layout = store.layout
+    offsets = dict(zip((spec.name for spec in layout.specs), layout.region_offsets(store.num_experts), strict=True))
+    groups = []
+    for start in range(0, len(layout.specs), MAX_TENSORS):
+        specs = layout.specs[start : start + MAX_TENSORS]
+        segments, chunks = build_segments(
+            tuple(offsets[spec.name] for spec in specs), tuple(spec.nbytes for spec in specs),
+            layout.copy_unit, DEFAULT_BLOCK,
+        )  # fmt: skip
+        groups.append(CopyGroup(tuple(spec.name for spec in specs), segments.to(device), chunks))
+    return tuple(groups)
+
+
 def copy_with_kernel(
-    slot_buffer: torch.Tensor,
-    store: CPUBackingStore,
-    plan: torch.Tensor,
-    segments: torch.Tensor,
-    chunks_per_expert: int,
-    *,
-    unit: int,
-    num_slots: int,
+    slots: Mapping[str, torch.Tensor], store: CPUBackingStore, plan: torch.Tensor, groups: Sequence[CopyGroup]
 ) -> None:
-    """One copy-kernel launch executing ``plan`` (on the device) from ``store`` into the slots."""
-    copy_experts(
-        store.buffer, slot_buffer, plan, segments, chunks_per_expert,
-        unit=unit, num_experts=store.num_experts, num_slots=num_slots,
-    )  # fmt: skip
+    """Execute ``plan`` (on the device) from ``store`` into the slot tensors: one launch per group."""
+    for group in groups:
+        copy_experts(
+            store.buffer, [slots[name] for name in group.names], plan, group.segments, group.chunks_per_expert,
+            unit=store.layout.copy_unit, num_experts=store.num_experts,
+        )  # fmt: skip
 
 
 def restore_slots(

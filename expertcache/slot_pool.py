@@ -5,8 +5,7 @@ One pool serves one layer (a per-layer budget) or many (a global pool: layers ow
 consecutive key ranges, hot layers take more slots). Everything is allocated once and never
 moves, so CUDA graphs and engines may keep the addresses::
 
-    buffer   [bytes] uint8               one allocation, carved by name (`expertcache.layout`)
-    tensors  {name: [S, *shape]}         contiguous slot tensors: what kernels read
+    tensors  {name: [S, *shape]}         contiguous slot tensors, one allocation each: what kernels read
     tables   `SlotTables`                expert <-> slot, counters, plan: the only state
 
 ``prepare(layer, topk_ids)`` = plan, move, commit + remap::
@@ -31,10 +30,9 @@ import torch
 
 from expertcache import device_prepare, host_prepare
 from expertcache.call_guards import SingleCaller
-from expertcache.kernels.copy_experts import DEFAULT_BLOCK, build_segments
 from expertcache.kernels.slot_tables import COUNTERS, SlotTables
 from expertcache.layout import ExpertLayout, layout_from_weights
-from expertcache.mover import MOVERS, POISON, CopyExpert, copy_pairs
+from expertcache.mover import MOVERS, POISON, CopyExpert, CopyGroup, copy_groups, copy_pairs
 from expertcache.policies import EvictionPolicy, claim_policy, make_policy
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
@@ -54,8 +52,7 @@ class PoolLayer:
     num_global: int
     global_to_local: torch.Tensor | None  # [E_global] int32 on the pool's device; None = identity
     global_to_local_host: np.ndarray  # [E_global] int64
-    segments: torch.Tensor  # [names, 4] int64 on the pool's device
-    chunks_per_expert: int
+    copy_groups: tuple[CopyGroup, ...]  # how the copy kernel moves one of its experts
 
     @property
     def num_experts(self) -> int:
@@ -102,8 +99,7 @@ class SlotPool:
             check_mode_device(self.device)
         chosen = device_prepare.device_policy(policy) if mode == "device" else _host_policy(policy, num_slots)
         with torch.inference_mode(False):  # in-place updates must work inside and outside it
-            self.buffer = torch.full((layout.buffer_bytes(num_slots),), POISON, dtype=torch.uint8, device=self.device)
-        self.tensors = layout.views(self.buffer, num_slots)
+            self.tensors = layout.allocate(num_slots, self.device, POISON)
         self.num_slots = num_slots
         self.tables = SlotTables.allocate(0, num_slots, 0, self.device)
         self.layers: dict[Hashable, PoolLayer] = {}
@@ -127,7 +123,7 @@ class SlotPool:
     @property
     def nbytes(self) -> int:
         """Device bytes of the slot tensors."""
-        return self.buffer.nbytes
+        return sum(tensor.nbytes for tensor in self.tensors.values())
 
     # -- layers ------------------------------------------------------------------------------
 
@@ -149,14 +145,10 @@ class SlotPool:
         key_offset = self.tables.num_keys
         host_map = global_to_local.to(torch.int64).numpy()
         identity = np.array_equal(host_map, np.arange(store.num_experts))
-        segments, chunks = build_segments(
-            self.layout.region_offsets(store.num_experts), self.layout.region_offsets(self.num_slots),
-            tuple(spec.nbytes for spec in self.layout.specs), self.layout.copy_unit, DEFAULT_BLOCK,
-        )  # fmt: skip
         layer = PoolLayer(
             name, len(self.layers), key_offset, store, int(host_map.size),
             None if identity else global_to_local.to(self.device, torch.int32), host_map,
-            segments.to(self.device), chunks,
+            copy_groups(store, self.device),
         )  # fmt: skip
         self.tables = SlotTables.allocate(key_offset + store.num_experts, self.num_slots, len(self.layers) + 1, self.device)
         if self.policy is not None and not self.layers:
@@ -171,6 +163,11 @@ class SlotPool:
         index = bisect.bisect_right(self._key_offsets, int(key)) - 1  # type: ignore[call-overload]
         layer = self.ordered_layers[index]
         return layer, int(key) - layer.key_offset  # type: ignore[call-overload]
+
+    def store_of(self, key: object) -> tuple[CPUBackingStore, int]:
+        """``(store, row)`` holding a key's expert."""
+        layer, expert = self.owner_of(key)
+        return layer.store, expert
 
     # -- the call ----------------------------------------------------------------------------
 

@@ -5,17 +5,18 @@ The plan stays on the device (``plan[0]`` copies; entry r names a store row and 
 in a CUDA graph. On a GPU the source is pinned host memory read through its mapped device
 address (UVA).
 
-Source and destination are two flat byte buffers, each carved into one contiguous region
-per tensor name (`expertcache.layout`); a ``segments`` table gives, per name, in copy words
-(``unit`` bytes each)::
+The source is one flat byte buffer carved into one ``[E, *shape]`` region per tensor name
+(`expertcache.layout`); the destinations are the pool's slot tensors, one contiguous
+``[S, *shape]`` allocation per name (up to ``MAX_TENSORS`` per launch; the launcher splits
+larger sets). A ``segments`` table gives, per name, in copy words (``unit`` bytes each)::
 
-    segments [names, 4] int64:  source offset | slot offset | words per expert | first chunk
+    segments [names, 3] int64:  source offset | words per expert | first chunk
 
 so expert ``e`` of name ``n`` is ``source[src_off[n] + e * words[n] ...]`` and slot ``s``
-is ``slots[dst_off[n] + s * words[n] ...]``. Each expert is cut into chunks of ``BLOCK``
-words (per name), dealt round-robin to a fixed number of programs, which keeps enough PCIe
-reads in flight to approach the copy engine's bandwidth. Entries naming a row or slot out
-of range are skipped.
+is ``slots[n][s * words[n] ...]``. Each expert is cut into chunks of ``BLOCK`` words (per
+name), dealt round-robin to a fixed number of programs, which keeps enough PCIe reads in
+flight to approach the copy engine's bandwidth. Entries naming a row or slot out of range
+are skipped.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ _WORD = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 @triton.jit
 def _copy_experts_kernel(
-    source_ptr, slots_ptr, plan_ptr, segments_ptr, num_experts, num_slots, chunks_per_expert,
+    source_ptr, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7,
+    plan_ptr, segments_ptr, num_experts, num_slots, chunks_per_expert,
     BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
 ):  # fmt: skip
     count = tl.minimum(tl.load(plan_ptr), num_slots)
@@ -46,59 +48,77 @@ def _copy_experts_kernel(
         slot = tl.load(plan_ptr + 2 + 4 * rank).to(tl.int64)
         segment = 0
         for n in tl.static_range(1, NUM_SEGMENTS):
-            segment += (chunk >= tl.load(segments_ptr + 4 * n + 3)).to(tl.int32)
-        row = segments_ptr + 4 * segment
-        words = tl.load(row + 2)
-        offsets = (chunk - tl.load(row + 3)) * BLOCK + tl.arange(0, BLOCK)
+            segment += (chunk >= tl.load(segments_ptr + 3 * n + 2)).to(tl.int32)
+        row = segments_ptr + 3 * segment
+        words = tl.load(row + 1)
+        offsets = (chunk - tl.load(row + 2)) * BLOCK + tl.arange(0, BLOCK)
         ok = (expert >= 0) & (expert < num_experts) & (slot >= 0) & (slot < num_slots)
         mask = offsets < tl.where(ok, words, 0)
         values = tl.load(source_ptr + tl.load(row) + expert * words + offsets, mask=mask)
-        tl.store(slots_ptr + tl.load(row + 1) + slot * words + offsets, values, mask=mask)
+        destination = slots0
+        if segment == 1:
+            destination = slots1
+        if segment == 2:
+            destination = slots2
+        if segment == 3:
+            destination = slots3
+        if segment == 4:
+            destination = slots4
+        if segment == 5:
+            destination = slots5
+        if segment == 6:
+            destination = slots6
+        if segment == 7:
+            destination = slots7
+        tl.store(destination + slot * words + offsets, values, mask=mask)
+
+
+#: Slot tensors one launch writes (kernel arguments ``slots0 .. slots7``).
+MAX_TENSORS = 8
 
 
 def build_segments(
-    source_offsets: tuple[int, ...], slot_offsets: tuple[int, ...], expert_bytes: tuple[int, ...], unit: int, block: int
+    source_offsets: tuple[int, ...], expert_bytes: tuple[int, ...], unit: int, block: int
 ) -> tuple[torch.Tensor, int]:
-    """The ``[names, 4]`` int64 segments table (CPU) and the chunks of one expert.
+    """The ``[names, 3]`` int64 segments table (CPU) and the chunks of one expert.
 
     Args:
-        source_offsets, slot_offsets: byte offset of each name's region in the two buffers.
+        source_offsets: byte offset of each name's region in the source buffer.
         expert_bytes: bytes of one expert of each name.
         unit: bytes of a copy word; must divide every offset and size.
         block: words per chunk.
     """
     rows, first = [], 0
-    for src, dst, nbytes in zip(source_offsets, slot_offsets, expert_bytes, strict=True):
-        if src % unit or dst % unit or nbytes % unit:
+    for src, nbytes in zip(source_offsets, expert_bytes, strict=True):
+        if src % unit or nbytes % unit:
             raise ValueError(f"offsets and sizes must be multiples of the copy word ({unit} bytes)")
-        rows.append([src // unit, dst // unit, nbytes // unit, first])
+        rows.append([src // unit, nbytes // unit, first])
         first += triton.cdiv(nbytes // unit, block)
     return torch.tensor(rows, dtype=torch.int64), first
 
 
 def copy_experts_torch(
-    source: torch.Tensor, slots: torch.Tensor, plan: torch.Tensor, segments: torch.Tensor, *, unit: int
+    source: torch.Tensor, slots: list[torch.Tensor], plan: torch.Tensor, segments: torch.Tensor, *, unit: int
 ) -> None:
     """Reference of `copy_experts`: for every plan entry, each name's expert words into its slot."""
-    source_words, slot_words = source.view(_WORD[unit]), slots.view(_WORD[unit])
+    source_words = source.view(_WORD[unit])
     count = int(plan[0])
     for expert, slot, _, _ in plan[1 : 1 + 4 * count].view(-1, 4).tolist():
-        for src, dst, words, _ in segments.tolist():
+        for (src, words, _), tensor in zip(segments.tolist(), slots, strict=True):
             chunk = source_words[src + expert * words : src + (expert + 1) * words]
-            slot_words[dst + slot * words : dst + (slot + 1) * words] = chunk.to(slots.device)
+            tensor.reshape(-1).view(_WORD[unit])[slot * words : (slot + 1) * words] = chunk.to(tensor.device)
 
 
 def copy_experts(
     source: torch.Tensor,
-    slots: torch.Tensor,
+    slots: list[torch.Tensor],
     plan: torch.Tensor,
     segments: torch.Tensor,
     chunks_per_expert: int,
     *,
     unit: int,
     num_experts: int,
-    num_slots: int,
-    num_programs: int = DEFAULT_PROGRAMS,
+    num_programs: int | None = None,
     block: int = DEFAULT_BLOCK,
 ) -> None:
     """Copy the planned experts without reading the plan on the host.
@@ -106,29 +126,38 @@ def copy_experts(
     Args:
         source: ``[bytes]`` uint8 store buffer: pinned host memory (GPU slots) or any CPU
             tensor (interpreted).
-        slots: ``[bytes]`` uint8 slot buffer on the device.
+        slots: the ``[S, *shape]`` contiguous slot tensors on the device, one per row of
+            ``segments`` (at most ``MAX_TENSORS``).
         plan: ``[1 + 4 S]`` int32 plan on the device (`expertcache.kernels.slot_tables`).
-        segments: ``[names, 4]`` int64 on the device, from `build_segments` with ``block``.
+        segments: ``[names, 3]`` int64 on the device, from `build_segments` with ``block``.
         chunks_per_expert: from `build_segments`.
         unit: bytes of a copy word (4, 2 or 1).
         num_experts: rows of the store (entries outside are skipped).
-        num_slots: slots of the pool (entries outside are skipped).
-        num_programs: programs of the persistent grid (fixed: graph-safe).
+        num_programs: programs of the persistent grid (fixed: graph-safe); default
+            ``DEFAULT_PROGRAMS`` on a GPU, 2 when interpreted (programs run one by one there).
         block: words per chunk (a power of two).
     """
-    if source.dtype != torch.uint8 or slots.dtype != torch.uint8 or source.dim() != 1 or slots.dim() != 1:
-        raise ValueError("source and slots must be flat uint8 buffers")
-    if not runs_on(_copy_experts_kernel, slots):
+    if source.dtype != torch.uint8 or source.dim() != 1:
+        raise ValueError("source must be a flat uint8 buffer")
+    if not 1 <= len(slots) <= MAX_TENSORS or len(slots) != segments.shape[0]:
+        raise ValueError(f"give 1 to {MAX_TENSORS} slot tensors, one per segment")
+    if any(not t.is_contiguous() or t.device != slots[0].device for t in slots):
+        raise ValueError("slot tensors must be contiguous and on one device")
+    if not runs_on(_copy_experts_kernel, slots[0]):
         raise RuntimeError("the copy kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
     word = _WORD[unit]
-    if slots.is_cuda and not source.is_cuda:
+    if num_programs is None:
+        num_programs = DEFAULT_PROGRAMS if slots[0].is_cuda else 2
+    if slots[0].is_cuda and not source.is_cuda:
         if not source.is_pinned():
             raise ValueError("the source buffer must be pinned to be read by the GPU")
         source_arg: object = MappedHostPointer(source, word)
     else:
         source_arg = source.view(word)
+    destinations = [t.reshape(-1).view(word) for t in slots]
+    destinations += [destinations[0]] * (MAX_TENSORS - len(destinations))
     _copy_experts_kernel[(num_programs,)](
-        source_arg, slots.view(word), plan, segments, num_experts, num_slots, chunks_per_expert,
+        source_arg, *destinations, plan, segments, num_experts, slots[0].shape[0], chunks_per_expert,
         BLOCK=block, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=segments.shape[0], num_warps=warps_for(block),
     )  # fmt: skip
 

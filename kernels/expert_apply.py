@@ -99,7 +99,7 @@ def _down_kernel(
 @triton.jit
 def _sum_over_k_kernel(
     part_ptr, ids_ptr, invalid_ptr, out_ptr, hidden_size, top_k, num_rows, stride_out,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_INVALID: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -109,12 +109,12 @@ def _sum_over_k_kernel(
     for k in range(1, top_k):
         total += tl.load(rows + k * hidden_size + cols, mask=mask, other=0.0)
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
-    if COUNT_INVALID:
-        if tl.program_id(1) == 0:
-            choices = tl.arange(0, BLOCK_K)
-            ids = tl.load(ids_ptr + token * top_k + choices, mask=choices < top_k, other=-1).to(tl.int64)
-            bad = (ids < -1) | (ids >= num_rows)
-            tl.atomic_add(invalid_ptr, tl.sum(bad.to(tl.int64), axis=0))
+    if tl.program_id(1) == 0:
+        choices = tl.arange(0, BLOCK_K)
+        ids = tl.load(ids_ptr + token * top_k + choices, mask=choices < top_k, other=-1).to(tl.int64)
+        bad = tl.sum(((ids < -1) | (ids >= num_rows)).to(tl.int64), axis=0)
+        if bad > 0:
+            tl.atomic_add(invalid_ptr, bad)
 
 
 def moe_apply(
@@ -158,10 +158,12 @@ def moe_apply(
         invalid_ids.dtype != torch.int64 or invalid_ids.numel() != 1 or invalid_ids.device != hidden.device
     ):
         raise ValueError(f"invalid_ids must be a [1] int64 counter on {hidden.device}")
-    return torch.ops.expertcache.moe_apply(
-        hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, invalid_ids,
-        scale_block, block_i, block_h, block_rows,
-    )  # fmt: skip
+    out, invalid = torch.ops.expertcache.moe_apply(
+        hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, scale_block, block_i, block_h, block_rows
+    )
+    if invalid_ids is not None:
+        invalid_ids.add_(invalid)
+    return out
 
 
 def moe_apply_torch(
@@ -192,7 +194,7 @@ def _expand_scales(scales: torch.Tensor, shape: torch.Size, block: int) -> torch
     return full[:, : shape[1], : shape[2]]
 
 
-@torch.library.custom_op("expertcache::moe_apply", mutates_args=("invalid_ids",))
+@torch.library.custom_op("expertcache::moe_apply", mutates_args=())
 def _moe_apply_op(
     hidden: torch.Tensor,
     w1: torch.Tensor,
@@ -201,12 +203,12 @@ def _moe_apply_op(
     topk_ids: torch.Tensor,
     w1_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
-    invalid_ids: torch.Tensor | None,
     scale_block: int,
     block_i: int,
     block_h: int,
     block_rows: int,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H], invalid [1] int64)``: the MLP, and how many ids were outside ``[-1, N)``."""
     tokens, top_k = topk_ids.shape
     hidden_size, inter_size, num_rows = w2.shape[1], w2.shape[2], w1.shape[0]
     has_scale = w1_scale is not None
@@ -216,12 +218,12 @@ def _moe_apply_op(
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
     out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=device)
+    invalid = torch.zeros(1, dtype=torch.int64, device=device)
     if tokens == 0:
-        return out
+        return out, invalid
     act = torch.empty(tokens * top_k, inter_size, dtype=torch.float32, device=device)
     part = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=device)
     pairs = tokens * top_k
-    counter = invalid_ids if invalid_ids is not None else ids
     with on_device(device):
         _gate_up_kernel[(pairs, triton.cdiv(inter_size, block_i))](
             hidden, w1, scale1, ids, act, hidden_size, inter_size, top_k, num_rows,
@@ -234,15 +236,15 @@ def _moe_apply_op(
             BLOCK_H=block_rows, BLOCK_I=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
         )  # fmt: skip
         _sum_over_k_kernel[(tokens, triton.cdiv(hidden_size, 256))](
-            part, ids, counter, out, hidden_size, top_k, num_rows, out.stride(0),
-            BLOCK_H=256, BLOCK_K=max(2, triton.next_power_of_2(top_k)), COUNT_INVALID=invalid_ids is not None,
+            part, ids, invalid, out, hidden_size, top_k, num_rows, out.stride(0),
+            BLOCK_H=256, BLOCK_K=max(2, triton.next_power_of_2(top_k)),
         )  # fmt: skip
-    return out
+    return out, invalid
 
 
 @_moe_apply_op.register_fake
-def _(hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, invalid_ids, scale_block, block_i, block_h, block_rows):
-    return hidden.new_empty(topk_ids.shape[0], w2.shape[1])
+def _(hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, scale_block, block_i, block_h, block_rows):
+    return hidden.new_empty(topk_ids.shape[0], w2.shape[1]), hidden.new_empty(1, dtype=torch.int64)
 
 
 def _check_scales(w1, w2, w1_scale, w2_scale, block: int) -> None:

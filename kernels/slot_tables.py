@@ -87,11 +87,13 @@ class SlotTables:
     @classmethod
     def allocate(cls, num_keys: int, num_slots: int, num_layers: int, device: torch.device) -> SlotTables:
         """Fresh tables: nothing resident, counters zero."""
-        with torch.inference_mode(False):  # in-place updates must work inside and outside it
+        # Outside inference mode, buffer and views alike: in-place updates must work inside and
+        # outside it (a view made inside it refuses in-place updates outside).
+        with torch.inference_mode(False):
             buffer = torch.empty(cls.buffer_bytes(num_keys, num_slots, num_layers), dtype=torch.uint8, device=device)
-        tables = cls.view(buffer, num_keys, num_slots, num_layers)
-        for name, _, _, _, initial in _spans(num_keys, num_slots, num_layers):
-            getattr(tables, name).fill_(initial)
+            tables = cls.view(buffer, num_keys, num_slots, num_layers)
+            for name, _, _, _, initial in _spans(num_keys, num_slots, num_layers):
+                getattr(tables, name).fill_(initial)
         return tables
 
     @classmethod

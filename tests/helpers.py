@@ -30,3 +30,16 @@ def random_topk(tokens: int, top_k: int, num_experts: int, *, generator: torch.G
     """``[T, K]`` int64 ids, distinct within each row (as a router's top-k)."""
     scores = torch.rand(tokens, num_experts, generator=generator)
     return scores.topk(top_k, dim=-1).indices
+
+
+def slot_bytes(pool) -> dict[str, torch.Tensor]:
+    """A copy of every slot tensor of ``pool``, as bytes on the CPU."""
+    return {name: t.detach().reshape(-1).view(torch.uint8).cpu().clone() for name, t in pool.tensors.items()}
+
+
+def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def addresses(pool) -> dict[str, int]:
+    return {name: t.data_ptr() for name, t in pool.tensors.items()}

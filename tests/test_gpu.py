@@ -1,6 +1,9 @@
-"""GPU-only checks: real pinned memory, and a whole decode step replayed in a CUDA graph."""
+"""GPU-only checks: real pinned memory and its lifetime, the device guard, and a whole decode
+step replayed in a CUDA graph."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ from helpers import random_topk, random_weights
 
 from expertcache import CachedWeightProvider, FullGPUProvider
 from expertcache.decode_stack import DecodeStack, GraphedDecodeStep
+from expertcache.kernels import moe_apply
 
 pytestmark = pytest.mark.gpu
 
@@ -17,18 +21,54 @@ def test_store_is_pinned_exactly():
     before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
     provider = CachedWeightProvider(weights, cache_size=4, device="cuda")
     store = provider.store
-    assert store.pinned and store.records.is_pinned()
-    assert store.records[-1].is_pinned() and store.records[0].is_pinned()  # both ends registered
-    assert store.nbytes == 24 * provider.pool.layout.record_bytes
-    assert store.nbytes < provider.pool.layout.payload_bytes * 24 + 24 * 256 * 5  # padding only
+    assert store.pinned and store.buffer.is_pinned()
+    assert store.buffer[-1:].is_pinned() and store.buffer[:1].is_pinned()  # both ends registered
+    assert store.nbytes == provider.pool.layout.buffer_bytes(24)
+    assert store.nbytes < provider.pool.layout.expert_bytes * 24 + 256 * 5  # alignment padding only
     # pinned by cudaHostRegister on the exact buffer, not torch's power-of-two host allocator
     assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == before
+
+
+def test_freeing_a_store_waits_for_copies_still_reading_it():
+    """The store's pinned buffer is unregistered only once queued copies from it have run."""
+    weights = random_weights(4, 2048, 2048, dtype=torch.bfloat16)  # 48 MiB per expert
+    provider = CachedWeightProvider(weights, cache_size=4, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        provider.prepare(torch.tensor([[0, 1], [2, 3]], device="cuda"))  # copies queued
+        torch.cuda._sleep(200_000_000)  # and more work behind them: ~0.1 s
+        done = torch.cuda.Event()
+        done.record()
+    assert not done.query()  # still running
+    slots = {name: t for name, t in provider.pool.tensors.items()}
+    del provider
+    gc.collect()
+    assert done.query()  # freeing waited for the copies
+    for name, tensor in slots.items():
+        assert torch.equal(tensor[3].cpu(), weights[name][3])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_launches_run_on_the_cache_device():
+    """Cache on cuda:1, current device cuda:0: kernels and copies land on cuda:1."""
+    weights = random_weights(8, 64, 32, dtype=torch.bfloat16)
+    for mode in ("host", "device"):
+        provider = CachedWeightProvider(weights, cache_size=4, device="cuda:1", mode=mode)
+        with torch.cuda.device(0):
+            result = provider.prepare(torch.tensor([[0, 5]], device="cuda:1"))
+            out = moe_apply(torch.randn(1, 64, device="cuda:1", dtype=torch.bfloat16), result.w1, result.w2,
+                            torch.rand(1, 2, device="cuda:1"), result.topk_ids)  # fmt: skip
+            assert torch.cuda.current_device() == 0
+        torch.cuda.synchronize(1)
+        assert result.topk_ids.device == out.device == torch.device("cuda", 1)
+        assert torch.equal(result.w1[provider.slot_of(5)].cpu(), weights["w1"][5])
 
 
 def _slots_match_store(provider) -> None:
     for expert in provider.resident():
         slot = provider.slot_of(expert)
-        assert torch.equal(provider.pool.records[slot].cpu(), provider.store.records[expert])
+        for name, tensor in provider.pool.tensors.items():
+            assert torch.equal(tensor[slot].cpu(), provider.store.tensors[name][expert])
 
 
 @pytest.mark.parametrize("layers, experts, slots, top_k", [(4, 32, 10, 4), (3, 16, 4, 4)])

@@ -1,4 +1,4 @@
-"""The manifest reports the real allocations: pool buffer, host buffers, pinned bytes."""
+"""The manifest reports the real allocations: slot tensors, host buffers, pinned bytes."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def test_layer_manifest_equals_the_allocations(tmp_path):
         assert entries[name].bytes * tensor.shape[0] == tensor.nbytes
     assert manifest.expert_bytes == sum(entry.bytes for entry in manifest.tensors)
     assert manifest.num_slots == 3
-    assert manifest.pool_gpu_bytes == provider.pool.buffer.untyped_storage().nbytes()
-    assert manifest.pool_gpu_bytes == provider.pool.layout.buffer_bytes(3)
+    assert manifest.pool_gpu_bytes == sum(t.untyped_storage().nbytes() for t in provider.pool.tensors.values())
+    assert manifest.pool_gpu_bytes == 3 * manifest.expert_bytes == provider.pool.nbytes
     assert manifest.host_bytes == provider.store.buffer.untyped_storage().nbytes()
     assert manifest.host_bytes == provider.pool.layout.buffer_bytes(6)
     # the alignment padding between regions is all that is added
@@ -47,7 +47,7 @@ def test_model_manifest_counts_a_shared_pool_once():
     manifest = build_manifest(layers)
     assert manifest.layers == 3 and manifest.experts == 18
     assert manifest.num_slots == 5
-    assert manifest.pool_gpu_bytes == pool.buffer.untyped_storage().nbytes()
+    assert manifest.pool_gpu_bytes == pool.nbytes == 5 * manifest.expert_bytes
     assert manifest.host_bytes == sum(p.store.buffer.untyped_storage().nbytes() for p in layers)
     assert manifest.full_residency_gpu_bytes == 3 * sum(t.nbytes for t in weights.values())
 
@@ -66,8 +66,10 @@ def test_gpu_manifest_counts_pinned_bytes_and_the_device_allocation():
     allocated = torch.cuda.memory_allocated() - before
     provider = CachedWeightProvider(weights, pool=pool)
     manifest = provider.manifest()
-    assert manifest.pool_gpu_bytes == pool.buffer.nbytes
+    assert manifest.pool_gpu_bytes == pool.nbytes
     # the caching allocator hands out 512-byte blocks; the pool asks for exactly its bytes
-    assert allocated == -(-manifest.pool_gpu_bytes // 512) * 512
+    # (one allocation per slot tensor, and the state buffer of its tables)
+    blocks = [t.nbytes for t in pool.tensors.values()] + [pool.tables.buffer.nbytes]
+    assert allocated == sum(-(-n // 512) * 512 for n in blocks)
     assert provider.store.buffer.is_pinned()
     assert manifest.pinned_host_bytes == manifest.host_bytes == pool.layout.buffer_bytes(6)

@@ -1,0 +1,128 @@
+"""Fault injection: a call that fails half-way leaves the cache exactly as before.
+
+Each test makes one step of ``prepare`` fail after the steps before it have run (a copy
+that raises after writing part of a slot, a commit launch that raises after every copy, a
+KeyboardInterrupt between device admission and its copy), then checks stats, tables,
+``resident()``, ``slot_of()``, ``expert_in()`` and every slot byte against the state
+before the call, and that the next call equals the full-weights reference.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+import torch
+from conftest import devices
+from helpers import random_weights, same_bytes, slot_bytes
+
+import expertcache.device_prepare as device_prepare
+import expertcache.host_prepare as host_prepare
+from expertcache import CachedWeightProvider
+from expertcache.reference import moe_forward
+
+E = 8
+
+
+def snapshot(provider):
+    return (
+        provider.stats,
+        provider.resident(),
+        [provider.slot_of(e) for e in range(provider.num_experts)],
+        [provider.expert_in(s) for s in range(provider.pool.num_slots)],
+        slot_bytes(provider.pool),
+    )
+
+
+def assert_unchanged(provider, before):
+    *views, held = snapshot(provider)
+    assert views == list(before[:4])
+    assert same_bytes(held, before[4]), "slot bytes changed"
+
+
+def assert_next_call_is_right(provider, weights, device):
+    ids = torch.tensor([[6, 1], [7, 2]], device=device)
+    result = provider.prepare(ids)
+    hidden, router = torch.randn(2, 16, device=device), torch.rand(2, 2, device=device)
+    full = {k: v.to(device) for k, v in weights.items()}
+    assert torch.equal(
+        moe_forward(hidden, result.w1, result.w2, router, result.topk_ids),
+        moe_forward(hidden, full["w1"], full["w2"], router, ids),
+    )
+
+
+def warm(device, mode, **kwargs):
+    weights = random_weights(E, 16, 8, extras=True, generator=torch.Generator().manual_seed(3))
+    provider = CachedWeightProvider(weights, cache_size=4, device=device, mode=mode, **kwargs)
+    for ids in ([[0, 1], [2, 3]], [[4, 0]]):  # full pool; the next misses evict
+        provider.prepare(torch.tensor(ids, device=device))
+    return weights, provider
+
+
+def fail_after(real, failure):
+    def wrapper(*args, **kwargs):
+        real(*args, **kwargs)  # the work is enqueued (bytes written, tables changed), then it fails
+        raise failure("injected")
+
+    return wrapper
+
+
+def fail_before(real, failure):
+    def wrapper(*args, **kwargs):
+        raise failure("injected")  # a launch that raises enqueues nothing
+
+    return wrapper
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("failure", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize(
+    "mode, module, step, when",
+    [
+        ("host", host_prepare, "copy_with_engine", fail_before),  # between the plan and the first copy
+        ("host", host_prepare, "copy_with_engine", fail_after),  # a copy fails after its bytes landed
+        ("host", host_prepare, "commit_plan", fail_before),  # every copy done, the commit launch fails
+        ("device", device_prepare, "admit", fail_after),  # tables updated on the device, then a failure
+        ("device", device_prepare, "copy_with_kernel", fail_before),  # between admission and copy
+        ("device", device_prepare, "copy_with_kernel", fail_after),  # after the copy's bytes landed
+    ],
+)
+def test_a_failing_step_rolls_back(monkeypatch, device, failure, mode, module, step, when):
+    weights, provider = warm(device, mode)
+    before = snapshot(provider)
+    monkeypatch.setattr(module, step, when(getattr(module, step), failure))
+    with pytest.raises(failure, match="injected"):
+        provider.prepare(torch.tensor([[5, 6], [7, 0]], device=device))  # 3 misses, 3 evictions
+    monkeypatch.undo()
+    assert_unchanged(provider, before)
+    assert_next_call_is_right(provider, weights, device)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_ctrl_c_during_the_copies_waits_for_the_commit():
+    """A real SIGINT during the copies is held until the call has committed, then raised."""
+    weights, provider = warm("cpu", "host")
+    real = provider.pool.copy_expert
+
+    def copy_and_press_ctrl_c(pairs):
+        real(pairs)
+        signal.raise_signal(signal.SIGINT)
+
+    provider.pool.copy_expert = copy_and_press_ctrl_c
+    calls = provider.stats.calls
+    with pytest.raises(KeyboardInterrupt):
+        provider.prepare(torch.tensor([[5, 6]]))
+    provider.pool.copy_expert = real
+    assert provider.stats.calls == calls + 1 and {5, 6} <= provider.resident()  # it completed
+    assert_next_call_is_right(provider, weights, "cpu")
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_built_in_inference_mode_serves_outside_it(device, mode):
+    with torch.inference_mode():
+        weights, provider = warm(device, mode)
+    assert_next_call_is_right(provider, weights, device)
+    with torch.inference_mode():
+        assert_next_call_is_right(provider, weights, device)

@@ -1,0 +1,176 @@
+"""Every cache kernel equals its pure-torch reference: admission, commit, copy, apply.
+
+Index tensors and tables compare exactly; poison (0xFF / -7) fills everything a kernel may
+write, so an unwritten output cannot pass. Interpreted on a CPU, compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import devices
+from helpers import random_topk, random_weights
+
+from expertcache.kernels import moe_apply, moe_apply_torch
+from expertcache.kernels.admission import admit, admit_torch
+from expertcache.kernels.commit import commit_plan, commit_plan_torch
+from expertcache.kernels.copy_experts import build_segments, copy_experts, copy_experts_torch
+from expertcache.kernels.slot_tables import SlotTables
+from expertcache.layout import ExpertLayout, ExpertTensorSpec
+
+
+def _same_tables(a: SlotTables, b: SlotTables) -> None:
+    for name in ("expert_to_slot", "slot_to_key", "last_use", "clock", "counters", "first_seen"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    count = int(a.plan[0])
+    assert count == int(b.plan[0])
+    assert torch.equal(a.plan_entries()[:count], b.plan_entries()[:count])
+
+
+def _call(gen: torch.Generator, num_global: int, num_slots: int) -> torch.Tensor:
+    """One call: decode-sized, prefill-sized (> 64 ids), over-full, or with bad ids."""
+    kind = int(torch.randint(0, 4, (1,), generator=gen))
+    if kind == 0:
+        return random_topk(2, min(4, num_global), num_global, generator=gen)
+    if kind == 1:
+        return torch.randint(0, num_global, (40, 2), generator=gen)  # 80 ids: the large kernel
+    if kind == 2:
+        return torch.randperm(num_global, generator=gen)[: num_slots + 1].reshape(1, -1)  # does not fit
+    ids = random_topk(2, 3, num_global, generator=gen)
+    ids[0, 0], ids[1, 2] = -4, 2**32 + 3  # out of range in the ids' own dtype: not expert 3
+    return ids
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("with_map", [False, True], ids=["identity", "expert map"])
+@pytest.mark.parametrize("num_slots", [3, 5])
+def test_admission_equals_reference(device, with_map, num_slots):
+    """Two layers share the tables (key offsets 0 and 6); 40 random calls, state compared after each."""
+    gen = torch.Generator().manual_seed(num_slots + 10 * with_map)
+    num_local, num_global = 6, 9
+    mapping = torch.full((num_global,), -1, dtype=torch.int32)
+    mapping[torch.randperm(num_global, generator=gen)[:num_local]] = torch.arange(num_local, dtype=torch.int32)
+    kernel, reference = (SlotTables.allocate(2 * num_local, num_slots, 2, torch.device(device)) for _ in range(2))
+    for step in range(40):
+        layer = step % 2
+        ids = _call(gen, num_global if with_map else num_local, num_slots)
+        ids = ids.to(device, torch.int32 if step % 3 == 0 and ids.max() < 2**31 else torch.int64)
+        g2l = mapping.to(device) if with_map else None
+        outs = [torch.full_like(ids, -7) for _ in range(2)]
+        kwargs = dict(num_global=num_global if with_map else num_local, key_offset=num_local * layer, layer=layer)
+        admit(kernel, ids, g2l, outs[0], **kwargs)
+        admit_torch(reference, ids, g2l, outs[1], **kwargs)
+        assert torch.equal(outs[0], outs[1]), step
+        _same_tables(kernel, reference)
+    assert int(kernel.counters[:, 5].sum()) > 0, "no call overflowed: the flag went untested"
+    assert int(kernel.counters[:, 4].sum()) > 0, "no invalid id was counted"
+
+
+@pytest.mark.parametrize("device", devices())
+def test_an_overflowing_call_changes_nothing(device):
+    """More distinct experts than slots, through the launcher: no write outside the plan."""
+    tables = SlotTables.allocate(8, 2, 1, torch.device(device))
+    out = torch.empty(1, 2, dtype=torch.int64, device=device)
+    admit(tables, torch.tensor([[1, 5]], device=device), None, out, num_global=8, key_offset=0, layer=0)
+    before = tables.buffer.clone()
+    for ids in ([[0, 2, 3]], [list(range(8)) * 10]):  # the register kernel, then the large one
+        ids = torch.tensor(ids, device=device)
+        out = torch.empty_like(ids)
+        admit(tables, ids, None, out, num_global=8, key_offset=0, layer=0)
+        assert bool((out == -1).all())
+        old = SlotTables.view(before, 8, 2, 1)
+        for name in ("expert_to_slot", "slot_to_key", "last_use", "clock", "first_seen"):
+            assert torch.equal(getattr(tables, name), getattr(old, name)), name
+        assert torch.equal(tables.counters[0, :5], old.counters[0, :5])  # only the overflow counter moved
+        assert int(tables.counters[0, 5]) == int(old.counters[0, 5]) + 1
+        before = tables.buffer.clone()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("has_plan", [False, True])
+def test_commit_equals_reference(device, has_plan):
+    gen = torch.Generator().manual_seed(int(has_plan))
+    num_keys, num_slots = 12, 5
+    kernel, reference = (SlotTables.allocate(num_keys, num_slots, 2, torch.device(device)) for _ in range(2))
+    for tables in (kernel, reference):
+        tables.expert_to_slot[torch.tensor([2, 7, 9])] = torch.tensor([0, 1, 3], dtype=torch.int32)
+        tables.slot_to_key[torch.tensor([0, 1, 3])] = torch.tensor([2, 7, 9], dtype=torch.int32)
+        tables.plan[: 1 + 8] = torch.tensor([2, 4, 3, 10, 9, 5, 2, 11, -1], dtype=torch.int32)  # evict 9, fill 2
+    mapping = torch.randperm(6, generator=gen).int().to(device)
+    ids = torch.tensor([[0, 3, 5], [1, 0, 6]], device=device)  # 6 is out of the 6-entry map
+    outs = [torch.full_like(ids, -7) for _ in range(2)]
+    kwargs = dict(counts=(3, 2, 1), has_plan=has_plan, num_global=6, key_offset=6, layer=1)
+    commit_plan(kernel, ids, mapping, outs[0], **kwargs)
+    commit_plan_torch(reference, ids, mapping, outs[1], **kwargs)
+    assert torch.equal(outs[0], outs[1])
+    _same_tables(kernel, reference)
+    assert kernel.counters[1].tolist() == [3, 2, 1, 1, 0, 0]
+    if has_plan:
+        assert int(kernel.expert_to_slot[9]) == -1 and int(kernel.expert_to_slot[10]) == 3
+
+
+# per-expert shapes and dtypes: bf16 matrices, a lone fp32 scale, an int8 row of odd length
+# (the copy word drops to 1 byte), more tensors than one launch takes (9 > 8).
+LAYOUTS = [
+    pytest.param([((6, 5), torch.bfloat16), ((5, 3), torch.bfloat16), ((), torch.float32)], id="bf16+scale"),
+    pytest.param([((4, 4), torch.float32), ((3,), torch.int8)], id="odd bytes"),
+]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("specs", LAYOUTS)
+def test_copy_kernel_equals_reference(device, specs):
+    gen = torch.Generator().manual_seed(len(specs))
+    layout = ExpertLayout(tuple(ExpertTensorSpec(f"t{i}", shape, dtype) for i, (shape, dtype) in enumerate(specs)))
+    num_experts, num_slots = 7, 5
+    source = torch.randint(0, 256, (layout.buffer_bytes(num_experts),), generator=gen, dtype=torch.uint8)
+    if device == "cuda":
+        source = source.pin_memory()
+    block = 4  # several chunks per tensor, a ragged last one
+    segments, chunks = build_segments(
+        layout.region_offsets(num_experts), tuple(s.nbytes for s in layout.specs), layout.copy_unit, block
+    )
+    kernel = layout.allocate(num_slots, torch.device(device), 0xFF)
+    expected = {name: t.clone() for name, t in kernel.items()}
+    plan = torch.tensor([3, 6, 4, 0, 0, 0, 1, 0, 0, 2, 2, 0, 0] + [9] * 8, dtype=torch.int32, device=device)
+    copy_experts(
+        source, list(kernel.values()), plan, segments.to(device), chunks,
+        unit=layout.copy_unit, num_experts=num_experts, num_programs=3, block=block,
+    )  # fmt: skip
+    copy_experts_torch(source, list(expected.values()), plan, segments, unit=layout.copy_unit)
+    for name in kernel:
+        assert torch.equal(kernel[name].view(torch.uint8), expected[name].view(torch.uint8)), name
+    stored = layout.views(source, num_experts)
+    assert torch.equal(kernel["t0"][4].cpu(), stored["t0"][6]) and torch.equal(kernel["t1"][1].cpu(), stored["t1"][0])
+    assert bool((kernel["t0"][3].view(torch.uint8) == 0xFF).all())  # untouched slot keeps its poison
+
+
+@pytest.mark.parametrize("device", devices())
+def test_moe_apply_equals_reference_and_counts_bad_ids(device):
+    gen = torch.Generator().manual_seed(4)
+    dtype, tolerance = (torch.float32, 1e-5) if device == "cpu" else (torch.bfloat16, 2e-2)
+    w = {k: v.to(device) for k, v in random_weights(5, 24, 16, dtype=dtype, generator=gen).items()}
+    ids = random_topk(4, 3, 5, generator=gen)
+    ids[0, 1], ids[2, 0], ids[3, 2] = -1, 5, 2**40  # skip; one past the end; far out (no fault)
+    ids[1, 1] = -9
+    x = torch.randn(4, 24, generator=gen).to(device, dtype)
+    router = torch.rand(4, 3, generator=gen).to(device)
+    invalid = torch.zeros(1, dtype=torch.int64, device=device)
+    ours = moe_apply(x, w["w1"], w["w2"], router, ids.to(device), invalid_ids=invalid)
+    reference = moe_apply_torch(x, w["w1"], w["w2"], router, ids.to(device))
+    torch.testing.assert_close(ours.float(), reference.float(), atol=tolerance, rtol=tolerance)
+    assert int(invalid) == 3  # 5, 2**40 and -9; -1 is a skip, not an error
+
+
+def test_moe_apply_checks_scales():
+    w = random_weights(4, 40, 24)
+    ids, x, router = torch.zeros(1, 2, dtype=torch.long), torch.randn(1, 40), torch.rand(1, 2)
+    good1, good2 = torch.ones(4, 3, 3), torch.ones(4, 3, 2)  # blocks of 16: ceil(48/16), ceil(40/16)
+    moe_apply(x, w["w1"], w["w2"], router, ids, w1_scale=good1, w2_scale=good2, scale_block=16)
+    with pytest.raises(ValueError, match="w1_scale must be"):
+        moe_apply(x, w["w1"], w["w2"], router, ids, w1_scale=good1[:, :2], w2_scale=good2, scale_block=16)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        moe_apply(x, w["w1"], w["w2"], router, ids, w1_scale=good1.transpose(1, 2).contiguous().transpose(1, 2),
+                  w2_scale=good2, scale_block=16)  # fmt: skip
+    with pytest.raises(ValueError, match="both"):
+        moe_apply(x, w["w1"], w["w2"], router, ids, w1_scale=good1)
