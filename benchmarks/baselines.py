@@ -1,7 +1,7 @@
 """Providers that exist only to be compared against: the peer and the streaming baseline.
 
 * `FlashlibLRUProvider`: flashlib 0.4.0's ``lru_ensure`` (device-side LRU admission, the
-  best published peer mechanism) driving our slot buffers and our copy kernel.
+  best published peer mechanism) driving slot tensors like ours and our copy kernel.
 * `WholeLayerStreamingProvider`: what a prefetch offloader does: every expert of the layer
   copied to the GPU each call (copy engine, pinned), then used in place.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from expertcache.kernels.copy_records import copy_planned_records
+from expertcache.kernels.copy_experts import CopyPlan, copy_experts
+from expertcache.mover import copy_groups
 from expertcache.provider import ExpertWeightProvider, result_from_tensors
 from expertcache.result import ExpertWeightResult
-from expertcache.slot_pool import SlotPool
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
 
@@ -26,7 +26,8 @@ class FlashlibLRUProvider(ExpertWeightProvider):
 
         self._lru_ensure = lru_ensure
         self.store = store
-        self.pool = SlotPool(store.layout, num_slots, device="cuda")  # only its buffers are used
+        self.tensors = store.layout.allocate(num_slots, torch.device("cuda"), 0xFF)
+        (self._group,) = copy_groups(store, torch.device("cuda"))
 
         def full(size, value, dtype):
             return torch.full(size, value, dtype=dtype, device="cuda")
@@ -48,8 +49,12 @@ class FlashlibLRUProvider(ExpertWeightProvider):
             query, self.slot_of_id, self.id_of_slot, self.lru_usage, self.lru_step,
             out, self.src, self.dst, self.num_copy, self.counters,
         )  # fmt: skip
-        copy_planned_records(self.store.records, self.pool.records, self.src, self.dst, self.num_copy)
-        return result_from_tensors(self.pool.tensors, out.view(topk_ids.shape))
+        copy_experts(
+            self.store.buffer, list(self.tensors.values()), CopyPlan(self.num_copy.view(1), self.src, self.dst, 1),
+            self._group.segments, self._group.chunks_per_expert,
+            unit=self.store.layout.copy_unit, num_experts=self.store.num_experts,
+        )  # fmt: skip
+        return result_from_tensors(self.tensors, out.view(topk_ids.shape))
 
     @property
     def stats(self) -> CacheStats:
@@ -57,7 +62,7 @@ class FlashlibLRUProvider(ExpertWeightProvider):
         return CacheStats(
             hits=active - misses,
             misses=misses,
-            bytes_h2d=misses * self.store.layout.record_bytes,
+            bytes_h2d=misses * self.store.layout.expert_bytes,
             calls=calls,
         )
 
@@ -67,12 +72,12 @@ class WholeLayerStreamingProvider(ExpertWeightProvider):
 
     def __init__(self, store: CPUBackingStore, staging: torch.Tensor) -> None:
         self.store = store
-        self.staging = staging  # [E, record_bytes] uint8 on the GPU, shared by all layers
-        self.tensors = store.layout.views(staging)
+        self.staging = staging  # [store.nbytes] uint8 on the GPU, shared by all layers
+        self.tensors = store.layout.views(staging, store.num_experts)
         self.calls = 0
 
     def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
-        self.staging.copy_(self.store.records, non_blocking=True)
+        self.staging.copy_(self.store.buffer, non_blocking=True)
         self.calls += 1
         return result_from_tensors(self.tensors, topk_ids)
 

@@ -17,6 +17,7 @@ copy bandwidth. Each variant runs the trace once to warm the cache, then once ti
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -30,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_csv, cuda_time_ms, pinned_copy_gbps, print_table, traces_dir  # noqa: E402
 from baselines import FlashlibLRUProvider, WholeLayerStreamingProvider  # noqa: E402
 
-from expertcache import CachedWeightProvider, FullGPUProvider  # noqa: E402
+from expertcache import CachedWeightProvider, FullGPUProvider, device_prepare  # noqa: E402
 from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E402
-from expertcache.kernels.copy_records import copy_planned_records  # noqa: E402
+from expertcache.kernels.copy_experts import CopyPlan, build_segments, copy_experts  # noqa: E402
 from expertcache.layout import layout_from_weights  # noqa: E402
-from expertcache.slot_pool import SlotPool  # noqa: E402
+from expertcache.mover import copy_pairs  # noqa: E402
 from expertcache.stats import CacheStats  # noqa: E402
 from expertcache.store import CPUBackingStore  # noqa: E402
 
@@ -122,30 +123,35 @@ def measure(name, providers, shape, hidden, routing, *, graph: bool, steps: int 
     }
 
 
+COPY_GRIDS = ((16, 4096), (32, 4096), (64, 4096), (132, 4096), (132, 8192), (264, 4096), (64, 16384))
+
+
 def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
-    """Copy bursts of 1, 2, 8 records: copy kernel at several grid sizes vs the copy engine."""
-    pool = SlotPool(store.layout, 32, device="cuda")
+    """Copy bursts of 1, 2, 8, 32 experts: copy kernel at several grid sizes vs the copy engine."""
+    layout, cuda = store.layout, torch.device("cuda")
+    slots = layout.allocate(32, cuda, 0xFF)
+    offsets, sizes = layout.region_offsets(store.num_experts), tuple(spec.nbytes for spec in layout.specs)
+    segments = {block: build_segments(offsets, sizes, layout.copy_unit, block) for _, block in COPY_GRIDS}
     rows = []
     for count in (1, 2, 8, 32):
         experts = torch.randperm(store.num_experts)[:count].int().cuda()
-        plan_slot = torch.randperm(32)[:count].int().cuda()
-        plan_count = torch.tensor([count], dtype=torch.int32, device="cuda")
+        plan = CopyPlan(torch.tensor([count], dtype=torch.int32, device=cuda), experts,
+                        torch.randperm(32)[:count].int().cuda(), 1)  # fmt: skip
 
-        def kernel_copy(programs, block, experts=experts, plan_slot=plan_slot, plan_count=plan_count):
-            copy_planned_records(
-                store.records, pool.records, experts, plan_slot, plan_count, num_programs=programs, block=block
-            )
+        def kernel_copy(programs, block, plan=plan):
+            table, chunks = segments[block]
+            copy_experts(store.buffer, list(slots.values()), plan, table.to(cuda), chunks, unit=layout.copy_unit,
+                         num_experts=store.num_experts, num_programs=programs, block=block)  # fmt: skip
 
-        nbytes = count * store.layout.record_bytes
-        engine_ms = cuda_time_ms(
-            lambda experts=experts, plan_slot=plan_slot: [
-                pool.records[s].copy_(store.records[e], non_blocking=True)
-                for e, s in zip(experts.tolist(), plan_slot.tolist(), strict=True)
-            ],
-            repeats=20,
-        )
-        row = {"records": count, "mb": nbytes / 1e6, "copy_engine_gbps": nbytes / engine_ms / 1e6}
-        for programs, block in ((16, 4096), (32, 4096), (64, 4096), (132, 4096), (64, 16384)):
+        pairs = [
+            (slots[name][s], store.tensors[name][e])
+            for e, s in zip(plan.experts.tolist(), plan.slots.tolist(), strict=True)
+            for name in slots
+        ]
+        nbytes = count * layout.expert_bytes
+        engine_ms = cuda_time_ms(lambda pairs=pairs: copy_pairs(pairs), repeats=20)
+        row = {"experts": count, "mb": nbytes / 1e6, "copy_engine_gbps": nbytes / engine_ms / 1e6}
+        for programs, block in COPY_GRIDS:
             ms = cuda_time_ms(lambda programs=programs, block=block: kernel_copy(programs, block), repeats=20)
             row[f"kernel_{programs}x{block}_gbps"] = nbytes / ms / 1e6
         row["best_kernel_vs_pinned"] = max(v for k, v in row.items() if k.startswith("kernel_")) / copy_gbps
@@ -160,19 +166,32 @@ def make_cached(kind: str, store: CPUBackingStore, slots: int, top_k: int):
 
 
 def bench_admission(store: CPUBackingStore, top_k: int, skip_flashlib: bool) -> list[dict]:
-    """Per-call cost of admission (+ copy launch) at 100% hits, 100 calls in one CUDA graph."""
+    """Per-call cost of admission + copy launch at 100% hits, 100 calls in one CUDA graph.
+
+    Device mode at its default and at other admission warp counts (the launcher's choice
+    is made from this table), against flashlib's ``lru_ensure`` driving the same copy kernel.
+    """
     rows = []
     ids = torch.arange(top_k, device="cuda").reshape(1, top_k)
-    kinds = ["device"] + ([] if skip_flashlib else ["flashlib"])
-    for kind in kinds:
-        provider = make_cached(kind, store, 4 * top_k, top_k)
-        provider.prepare(ids)  # compile and make the experts resident
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(100):
-                provider.prepare(ids)
-        us = cuda_time_ms(graph.replay, repeats=20) * 10  # ms per 100 calls -> us per call
-        rows.append({"admission": kind, "us_per_call_in_graph": us, "hit_rate": provider.stats.hit_rate})
+    kinds = [("device", None), ("device", 1), ("device", 2), ("device", 8)] + (
+        [] if skip_flashlib else [("flashlib", None)]
+    )
+    real_admit = device_prepare.admit
+    for kind, warps in kinds:
+        device_prepare.admit = real_admit if warps is None else functools.partial(real_admit, num_warps=warps)
+        try:
+            provider = make_cached(kind, store, 4 * top_k, top_k)
+            provider.prepare(ids)  # compile and make the experts resident
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(100):
+                    provider.prepare(ids)
+            us = cuda_time_ms(graph.replay, repeats=20) * 10  # ms per 100 calls -> us per call
+        finally:
+            device_prepare.admit = real_admit
+        label = kind if warps is None else f"{kind}, {warps} warps"
+        rows.append({"admission": label, "us_per_call_in_graph": us, "hit_rate": provider.stats.hit_rate})
+        del provider, graph
     return rows
 
 
@@ -194,12 +213,12 @@ def main() -> None:
     full = [shape_weights(args.shape, shape, gen) for _ in range(L)]
     _, layout = layout_from_weights(full[0])
     stores = [CPUBackingStore(layout, w, pin=True) for w in full]
-    print(f"{shape['name']}: {L} layers x {E} experts, {layout.record_bytes / 1e6:.2f} MB per expert, "
+    print(f"{shape['name']}: {L} layers x {E} experts, {layout.expert_bytes / 1e6:.2f} MB per expert, "
           f"{steps} trace tokens; {sum(s.nbytes for s in stores) / 1e9:.1f} GB built and pinned "
           f"in {time.perf_counter() - start:.1f} s")  # fmt: skip
     copy_gbps = pinned_copy_gbps(256 * 2**20)
-    record_gbps = pinned_copy_gbps(layout.record_bytes)
-    print(f"pinned copy-engine bandwidth: {copy_gbps:.1f} GB/s (256 MiB), {record_gbps:.1f} GB/s (one record)")
+    expert_gbps = pinned_copy_gbps(layout.expert_bytes)
+    print(f"pinned copy-engine bandwidth: {copy_gbps:.1f} GB/s (256 MiB), {expert_gbps:.1f} GB/s (one expert's bytes)")
 
     admission_rows = bench_admission(stores[0], shape["top_k"], args.skip_flashlib)
     print_table(admission_rows, list(admission_rows[0]), title="admission per call at 100% hits, in a CUDA graph")
@@ -212,7 +231,7 @@ def main() -> None:
         rows.append({"cache": "all", **measure(f"(a) all resident{' graph' if graph else ''}", resident, shape,
                                                hidden, routing, graph=graph)})  # fmt: skip
     base_ms = rows[-1]["ms_per_step"]
-    staging = torch.empty(E, layout.record_bytes, dtype=torch.uint8, device="cuda")
+    staging = torch.empty(stores[0].nbytes, dtype=torch.uint8, device="cuda")
     streaming = [WholeLayerStreamingProvider(s, staging) for s in stores]
     rows.append({"cache": "stream", **measure("(f) whole-layer streaming", streaming, shape, hidden, routing,
                                               graph=False, steps=args.streaming_steps)})  # fmt: skip

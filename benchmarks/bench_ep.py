@@ -146,7 +146,7 @@ def benchmark(rank: int, world_size: int, device: torch.device, args) -> list[di
                 local_experts=local_count,
                 pacing="on" if pacing else "off",
                 repeat=repeat,
-                record_bytes=layers[0].local.provider.pool.layout.record_bytes,
+                expert_bytes=layers[0].local.provider.pool.layout.expert_bytes,
                 layers=len(columns),
                 tokens_per_rank=args.tokens_per_rank,
                 scheme=args.scheme,
@@ -228,7 +228,7 @@ def title(row: dict) -> str:
         f"EP benchmark: {row['world_size']} ranks, {row['layers']} layers, "
         f"E={row['num_experts']} ({row['scheme']}), H={row['hidden']}, I={row['inter']}, "
         f"{row['dtype']}, {row['tokens_per_rank']} token(s)/rank/step, {row['steps']} timed "
-        f"steps, expert record {row['record_bytes'] / 1e6:.2f} MB"
+        f"steps, expert {row['expert_bytes'] / 1e6:.2f} MB"
     )
 
 

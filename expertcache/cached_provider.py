@@ -76,7 +76,9 @@ class CachedWeightProvider(ExpertWeightProvider):
             _check_cache_size(cache_size, num_local)
             target = resolve_device(device)
         global_to_local = (
-            torch.arange(num_local, dtype=torch.int32) if expert_map is None else check_expert_map(expert_map, num_local)
+            torch.arange(num_local, dtype=torch.int32)
+            if expert_map is None
+            else check_expert_map(expert_map, num_local)
         )
         if pool is None:
             pool = SlotPool(layout, int(cache_size), device=target, policy=policy or "lru", mode=mode or "host")  # type: ignore[arg-type]

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from expertcache.call_guards import deferred_interrupts
+from expertcache.call_plan import Load
 from expertcache.errors import CacheCapacityError
 from expertcache.host_prepare import local_keys
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.admission import admit
 from expertcache.kernels.slot_tables import SlotTables
-from expertcache.call_plan import Load
 from expertcache.mover import copy_with_kernel, restore_slots
 from expertcache.policies import EvictionPolicy
 
@@ -75,13 +75,13 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
         keys = local_keys(layer, topk_ids.cpu().numpy())  # prefill: a sync is cheap here
         if len(keys) > pool.num_slots:
             raise CacheCapacityError(len(keys), pool.num_slots)
-    return torch.ops.expertcache.prepare_on_device(
-        topk_ids.contiguous(), pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index
-    )
+    # Eagerly the implementation runs directly (the dispatcher costs ~10 us a call);
+    # torch.compile sees the custom op.
+    run = torch.ops.expertcache.prepare_on_device if torch.compiler.is_compiling() else _admit_and_copy
+    return run(topk_ids.contiguous(), pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index)
 
 
-@torch.library.custom_op("expertcache::prepare_on_device", mutates_args=("state", "slots"))
-def _prepare_on_device(
+def _admit_and_copy(
     topk_ids: torch.Tensor, state: torch.Tensor, slots: list[torch.Tensor], pool: int, layer: int
 ) -> torch.Tensor:
     owner = _POOLS[pool]
@@ -104,7 +104,10 @@ def _prepare_on_device(
     return out
 
 
-@_prepare_on_device.register_fake
+_op = torch.library.custom_op("expertcache::prepare_on_device", _admit_and_copy, mutates_args=("state", "slots"))
+
+
+@_op.register_fake
 def _(topk_ids: torch.Tensor, state: torch.Tensor, slots: list[torch.Tensor], pool: int, layer: int) -> torch.Tensor:
     return torch.empty_like(topk_ids)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from expertcache.call_plan import Load
-from expertcache.kernels.copy_experts import DEFAULT_BLOCK, MAX_TENSORS, build_segments, copy_experts
+from expertcache.kernels.copy_experts import DEFAULT_BLOCK, MAX_TENSORS, CopyPlan, build_segments, copy_experts
 from expertcache.store import CPUBackingStore
 
 MOVERS = ("engine", "kernel")
@@ -80,7 +80,8 @@ def copy_with_kernel(
     """Execute ``plan`` (on the device) from ``store`` into the slot tensors: one launch per group."""
     for group in groups:
         copy_experts(
-            store.buffer, [slots[name] for name in group.names], plan, group.segments, group.chunks_per_expert,
+            store.buffer, [slots[name] for name in group.names], CopyPlan.of(plan), group.segments,
+            group.chunks_per_expert,
             unit=store.layout.copy_unit, num_experts=store.num_experts,
         )  # fmt: skip
 

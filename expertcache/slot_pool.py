@@ -150,7 +150,9 @@ class SlotPool:
             None if identity else global_to_local.to(self.device, torch.int32), host_map,
             copy_groups(store, self.device),
         )  # fmt: skip
-        self.tables = SlotTables.allocate(key_offset + store.num_experts, self.num_slots, len(self.layers) + 1, self.device)
+        self.tables = SlotTables.allocate(
+            key_offset + store.num_experts, self.num_slots, len(self.layers) + 1, self.device
+        )
         if self.policy is not None and not self.layers:
             claim_policy(self.policy, capacity=self.num_slots, owner=self)
         self.layers[name] = layer

@@ -1,9 +1,9 @@
 """Copy kernel: move every registered tensor of the planned experts host -> slots in one launch.
 
-The plan stays on the device (``plan[0]`` copies; entry r names a store row and a slot, see
-`expertcache.kernels.slot_tables`), so the step needs no host read and the launch replays
-in a CUDA graph. On a GPU the source is pinned host memory read through its mapped device
-address (UVA).
+The plan stays on the device (a `CopyPlan`: how many copies, and per copy a store row and
+a slot, e.g. the entries of the pool's plan, `expertcache.kernels.slot_tables`), so the
+step needs no host read and the launch replays in a CUDA graph. On a GPU the source is
+pinned host memory read through its mapped device address (UVA).
 
 The source is one flat byte buffer carved into one ``[E, *shape]`` region per tensor name
 (`expertcache.layout`); the destinations are the pool's slot tensors, one contiguous
@@ -21,6 +21,8 @@ are skipped.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -37,15 +39,15 @@ _WORD = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 @triton.jit
 def _copy_experts_kernel(
     source_ptr, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7,
-    plan_ptr, segments_ptr, num_experts, num_slots, chunks_per_expert,
+    count_ptr, experts_ptr, slot_ids_ptr, stride, segments_ptr, num_experts, num_slots, chunks_per_expert,
     BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
 ):  # fmt: skip
-    count = tl.minimum(tl.load(plan_ptr), num_slots)
+    count = tl.minimum(tl.load(count_ptr).to(tl.int32), num_slots)
     for work in range(tl.program_id(0), count * chunks_per_expert, NUM_PROGRAMS):
         rank = work // chunks_per_expert
         chunk = work % chunks_per_expert
-        expert = tl.load(plan_ptr + 1 + 4 * rank).to(tl.int64)
-        slot = tl.load(plan_ptr + 2 + 4 * rank).to(tl.int64)
+        expert = tl.load(experts_ptr + stride * rank).to(tl.int64)
+        slot = tl.load(slot_ids_ptr + stride * rank).to(tl.int64)
         segment = 0
         for n in tl.static_range(1, NUM_SEGMENTS):
             segment += (chunk >= tl.load(segments_ptr + 3 * n + 2)).to(tl.int32)
@@ -77,6 +79,21 @@ def _copy_experts_kernel(
 MAX_TENSORS = 8
 
 
+class CopyPlan(NamedTuple):
+    """Copies on the device: ``count[0]`` of them; copy r takes store row ``experts[stride * r]``
+    into slot ``slots[stride * r]`` (int32 or int64 tensors, read without a host sync)."""
+
+    count: torch.Tensor
+    experts: torch.Tensor
+    slots: torch.Tensor
+    stride: int
+
+    @classmethod
+    def of(cls, plan: torch.Tensor) -> CopyPlan:
+        """The copies of a pool's ``[1 + 4 S]`` plan (count, then expert, slot, key, evicted)."""
+        return cls(plan[:1], plan[1:], plan[2:], 4)
+
+
 def build_segments(
     source_offsets: tuple[int, ...], expert_bytes: tuple[int, ...], unit: int, block: int
 ) -> tuple[torch.Tensor, int]:
@@ -98,12 +115,14 @@ def build_segments(
 
 
 def copy_experts_torch(
-    source: torch.Tensor, slots: list[torch.Tensor], plan: torch.Tensor, segments: torch.Tensor, *, unit: int
+    source: torch.Tensor, slots: list[torch.Tensor], plan: CopyPlan, segments: torch.Tensor, *, unit: int
 ) -> None:
-    """Reference of `copy_experts`: for every plan entry, each name's expert words into its slot."""
+    """Reference of `copy_experts`: for every planned copy, each name's expert words into its slot."""
     source_words = source.view(_WORD[unit])
-    count = int(plan[0])
-    for expert, slot, _, _ in plan[1 : 1 + 4 * count].view(-1, 4).tolist():
+    count = int(plan.count.reshape(-1)[0])
+    experts = plan.experts[: plan.stride * count : plan.stride].tolist()
+    slot_ids = plan.slots[: plan.stride * count : plan.stride].tolist()
+    for expert, slot in zip(experts, slot_ids, strict=True):
         for (src, words, _), tensor in zip(segments.tolist(), slots, strict=True):
             chunk = source_words[src + expert * words : src + (expert + 1) * words]
             tensor.reshape(-1).view(_WORD[unit])[slot * words : (slot + 1) * words] = chunk.to(tensor.device)
@@ -112,7 +131,7 @@ def copy_experts_torch(
 def copy_experts(
     source: torch.Tensor,
     slots: list[torch.Tensor],
-    plan: torch.Tensor,
+    plan: CopyPlan,
     segments: torch.Tensor,
     chunks_per_expert: int,
     *,
@@ -128,7 +147,7 @@ def copy_experts(
             tensor (interpreted).
         slots: the ``[S, *shape]`` contiguous slot tensors on the device, one per row of
             ``segments`` (at most ``MAX_TENSORS``).
-        plan: ``[1 + 4 S]`` int32 plan on the device (`expertcache.kernels.slot_tables`).
+        plan: the copies, on the slots' device (`CopyPlan`; a pool's: ``CopyPlan.of(plan)``).
         segments: ``[names, 3]`` int64 on the device, from `build_segments` with ``block``.
         chunks_per_expert: from `build_segments`.
         unit: bytes of a copy word (4, 2 or 1).
@@ -157,7 +176,8 @@ def copy_experts(
     destinations = [t.reshape(-1).view(word) for t in slots]
     destinations += [destinations[0]] * (MAX_TENSORS - len(destinations))
     _copy_experts_kernel[(num_programs,)](
-        source_arg, *destinations, plan, segments, num_experts, slots[0].shape[0], chunks_per_expert,
+        source_arg, *destinations, plan.count, plan.experts, plan.slots, plan.stride, segments,
+        num_experts, slots[0].shape[0], chunks_per_expert,
         BLOCK=block, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=segments.shape[0], num_warps=warps_for(block),
     )  # fmt: skip
 

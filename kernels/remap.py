@@ -72,21 +72,19 @@ def launch_remap(topk_ids: torch.Tensor, mapping: torch.Tensor, out: torch.Tenso
             _remap_kernel[grid](ids, mapping.contiguous(), out, ids.numel(), mapping.numel(), BLOCK=_BLOCK)
 
 
-@torch.library.custom_op("expertcache::remap_topk_ids", mutates_args=())
-def _remap_op(topk_ids: torch.Tensor, mapping: torch.Tensor) -> torch.Tensor:
+def _remap(topk_ids: torch.Tensor, mapping: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(topk_ids, memory_format=torch.contiguous_format)
     launch_remap(topk_ids, mapping, out)
     return out
 
 
+_remap_op = torch.library.custom_op("expertcache::remap_topk_ids", _remap, mutates_args=())
+_remap_out_op = torch.library.custom_op("expertcache::remap_topk_ids_out", launch_remap, mutates_args=("out",))
+
+
 @_remap_op.register_fake
 def _(topk_ids: torch.Tensor, mapping: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(topk_ids, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("expertcache::remap_topk_ids_out", mutates_args=("out",))
-def _remap_out_op(topk_ids: torch.Tensor, mapping: torch.Tensor, out: torch.Tensor) -> None:
-    launch_remap(topk_ids, mapping, out)
 
 
 @_remap_out_op.register_fake
@@ -113,9 +111,10 @@ def remap_topk_ids(topk_ids: torch.Tensor, mapping: torch.Tensor, out: torch.Ten
     torch reference runs instead.
     """
     _check(topk_ids, mapping, out)
+    compiling = torch.compiler.is_compiling()  # eagerly the implementation runs directly
     if out is None:
-        return torch.ops.expertcache.remap_topk_ids(topk_ids, mapping)
-    torch.ops.expertcache.remap_topk_ids_out(topk_ids, mapping, out)
+        return torch.ops.expertcache.remap_topk_ids(topk_ids, mapping) if compiling else _remap(topk_ids, mapping)
+    (torch.ops.expertcache.remap_topk_ids_out if compiling else launch_remap)(topk_ids, mapping, out)
     return out
 
 

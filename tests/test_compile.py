@@ -13,10 +13,10 @@ import torch
 from conftest import devices
 from helpers import random_weights
 
-from expertcache import CachedWeightProvider
+from expertcache import CachedWeightProvider, FullGPUProvider
 from expertcache.kernels import moe_apply
 
-E, H, I, K = 8, 16, 8, 2
+E, H, INTER, K = 8, 16, 8, 2  # experts, hidden, intermediate, top-k
 
 
 class MoEExperts(torch.nn.Module):
@@ -44,7 +44,7 @@ class MoELayer(MoEExperts):
 
 
 def _pair(device, make):
-    weights = random_weights(E, H, I, generator=torch.Generator().manual_seed(5))
+    weights = random_weights(E, H, INTER, generator=torch.Generator().manual_seed(5))
     return [make(CachedWeightProvider(weights, cache_size=4, device=device, mode="device")) for _ in range(2)]
 
 
@@ -87,3 +87,19 @@ def test_compiled_layer_with_router_matches_eager(device):
             hidden = torch.randn(1, H, generator=gen).to(device)
             torch.testing.assert_close(compiled(hidden), eager(hidden), atol=1e-5, rtol=1e-5)
     assert compiled_module.provider.stats == eager.provider.stats
+
+
+@pytest.mark.parametrize("device", devices())
+def test_compiled_full_provider_with_an_expert_map(device):
+    """The EP passthrough (remap op) compiles without a graph break and equals eager."""
+    torch._dynamo.reset()
+    weights = {k: v.to(device) for k, v in random_weights(3, H, INTER).items()}
+    expert_map = torch.tensor([-1, 0, -1, 2, 1, -1, -1, -1], dtype=torch.int32, device=device)
+    layer = MoEExperts(FullGPUProvider(weights, expert_map=expert_map))
+    compiled = torch.compile(layer, fullgraph=True)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.rand(2, E, generator=gen).topk(K, dim=-1).indices.to(device)
+            hidden, router = torch.randn(2, H, generator=gen).to(device), torch.rand(2, K, generator=gen).to(device)
+            assert torch.equal(compiled(hidden, router, ids), layer(hidden, router, ids))

@@ -14,7 +14,7 @@ from helpers import random_topk, random_weights
 from expertcache.kernels import moe_apply, moe_apply_torch
 from expertcache.kernels.admission import admit, admit_torch
 from expertcache.kernels.commit import commit_plan, commit_plan_torch
-from expertcache.kernels.copy_experts import build_segments, copy_experts, copy_experts_torch
+from expertcache.kernels.copy_experts import CopyPlan, build_segments, copy_experts, copy_experts_torch
 from expertcache.kernels.slot_tables import SlotTables
 from expertcache.layout import ExpertLayout, ExpertTensorSpec
 
@@ -134,10 +134,10 @@ def test_copy_kernel_equals_reference(device, specs):
     expected = {name: t.clone() for name, t in kernel.items()}
     plan = torch.tensor([3, 6, 4, 0, 0, 0, 1, 0, 0, 2, 2, 0, 0] + [9] * 8, dtype=torch.int32, device=device)
     copy_experts(
-        source, list(kernel.values()), plan, segments.to(device), chunks,
+        source, list(kernel.values()), CopyPlan.of(plan), segments.to(device), chunks,
         unit=layout.copy_unit, num_experts=num_experts, num_programs=3, block=block,
     )  # fmt: skip
-    copy_experts_torch(source, list(expected.values()), plan, segments, unit=layout.copy_unit)
+    copy_experts_torch(source, list(expected.values()), CopyPlan.of(plan.cpu()), segments, unit=layout.copy_unit)
     for name in kernel:
         assert torch.equal(kernel[name].view(torch.uint8), expected[name].view(torch.uint8)), name
     stored = layout.views(source, num_experts)

@@ -65,7 +65,9 @@ def claim_policy(policy: str | EvictionPolicy, *, capacity: int, owner: object) 
     """
     chosen = make_policy(policy, capacity=capacity)
     if chosen.capacity != capacity:
-        raise ValueError(f"the {chosen.name!r} policy instance was built for capacity {chosen.capacity}, not {capacity}")
+        raise ValueError(
+            f"the {chosen.name!r} policy instance was built for capacity {chosen.capacity}, not {capacity}"
+        )
     chosen.claim(owner)
     return chosen
 
