@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, for a lent GPU machine with no registry access.
-# Usage: bash benchmarks/gpu_session.sh [STEP ...]   (steps: tests prepare decode decode-deepseek; default all;
-#        also demo families generate: the transformers integration, see the README)
+# Usage: bash benchmarks/gpu_session.sh [STEP ...]   (steps: suite tests prepare decode decode-deepseek;
+#        default: suite prepare decode; also demo families generate: the transformers integration)
+#   suite: the README's test command, the WHOLE suite (python3 -m pytest -q); tests: only -m gpu
 # Logs and CSVs go to $OUT (or ./gpu-out). Carried wheels in .whl/ (flashlib) are installed
 # into /tmp/site first. Each step has its own time limit, so one failure doesn't stop the rest.
 set -u
@@ -20,12 +21,13 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/instal
   echo "editable install failed (see install.log); using /tmp/src"
 fi
 export EXPERTCACHE_COMMIT=${EXPERTCACHE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-steps=${*:-tests prepare decode decode-deepseek}
+steps=${*:-suite prepare decode}
 for step in $steps; do
   echo "=== $step"
   case $step in
+    suite) timeout 330 python3 -m pytest -q -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/suite.log" | tail -40 ;;
     tests) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=6 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    prepare) timeout 180 python3 benchmarks/bench_prepare.py 2>&1 | tee "$OUT/bench_prepare.log" ;;
+    prepare) timeout 180 python3 benchmarks/bench_prepare.py --calls 100 2>&1 | tee "$OUT/bench_prepare.log" ;;
     decode) timeout 400 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" ;;
     decode-deepseek) timeout 400 python3 benchmarks/bench_decode.py --shape deepseek-v3 2>&1 | tee "$OUT/bench_decode_deepseek.log" ;;
     demo) timeout 300 python3 -m expertcache.cli demo 2>&1 | tee "$OUT/demo.log" ;;

@@ -46,7 +46,7 @@ _POOLS: weakref.WeakValueDictionary[int, SlotPool] = weakref.WeakValueDictionary
 _IDS = itertools.count()
 
 
-def device_policy(policy: str | EvictionPolicy) -> None:
+def check_device_policy(policy: str | EvictionPolicy) -> None:
     """Check a device-mode policy setting (the kernel is LRU; there is no policy object)."""
     if isinstance(policy, EvictionPolicy):
         raise TypeError(

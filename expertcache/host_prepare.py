@@ -19,7 +19,7 @@ forget the call (``abort_call``); the tables and counters were never touched.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -62,11 +62,12 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
         ids = topk_ids.contiguous()
         out = torch.empty_like(ids)
         starts_forward = pool.forward.starts_forward(layer.name)
+        policy = pool.policy
+        assert policy is not None  # a host-mode pool always has one
         with deferred_interrupts():
             plan = plan_call(
-                keys, table[keys].tolist(), slot_of=lambda key: int(table[key]),
-                free_slots=lambda: _free_slots(table, pool.num_slots), policy=pool.policy,
-                starts_forward=starts_forward,
+                keys, table[keys].tolist(), slot_of=lambda key: int(table[cast(int, key)]),
+                free_slots=lambda: _free_slots(table, pool.num_slots), policy=policy, starts_forward=starts_forward,
             )  # fmt: skip
             try:
                 _upload(pool, layer, plan)
@@ -74,10 +75,10 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
                 _commit(pool, layer, plan, ids, out)
             except BaseException:
                 restore_slots(pool.tensors, plan.loads, pool.store_of)
-                pool.policy.abort_call()
+                policy.abort_call()
                 raise
             pool.forward.record(layer.name)
-            tell_policy(plan, pool.policy)
+            tell_policy(plan, policy)
         return out
 
 
@@ -119,7 +120,7 @@ def _upload(pool: SlotPool, layer: PoolLayer, plan: CallPlan) -> None:
     if not plan.loads:
         return
     entries = [
-        (load.key - layer.key_offset, load.slot, load.key, -1 if load.evicted is None else load.evicted)
+        (cast(int, load.key) - layer.key_offset, load.slot, load.key, -1 if load.evicted is None else load.evicted)
         for load in plan.loads
     ]
     flat = torch.tensor([len(entries), *(value for entry in entries for value in entry)], dtype=torch.int32)

@@ -97,7 +97,9 @@ class SlotPool:
         self.mover = mover or ("engine" if mode == "host" else "kernel")
         if mode == "device" or self.mover == "kernel":
             check_mode_device(self.device)
-        chosen = device_prepare.device_policy(policy) if mode == "device" else _host_policy(policy, num_slots)
+        if mode == "device":
+            device_prepare.check_device_policy(policy)
+        chosen = None if mode == "device" else _host_policy(policy, num_slots)
         with torch.inference_mode(False):  # in-place updates must work inside and outside it
             self.tensors = layout.allocate(num_slots, self.device, POISON)
         self.num_slots = num_slots

@@ -31,7 +31,7 @@ def test_store_is_pinned_exactly():
 
 def test_freeing_a_store_waits_for_copies_still_reading_it():
     """The store's pinned buffer is unregistered only once queued copies from it have run."""
-    weights = random_weights(4, 2048, 2048, dtype=torch.bfloat16)  # 48 MiB per expert
+    weights = random_weights(4, 2048, 2048, dtype=torch.bfloat16)  # 24 MiB per expert
     provider = CachedWeightProvider(weights, cache_size=4, device="cuda")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
