@@ -46,11 +46,11 @@ def check_rank(rank: int, world_size: int, scheme: str, steps: int, pacing: bool
     gen = torch.Generator().manual_seed(1234)
     partition = ExpertPartition(NUM_EXPERTS, world_size, scheme)
     weights = random_weights(NUM_EXPERTS, HIDDEN, INTER, generator=gen)
-    local = LocalExperts.from_full_weights(weights, partition, rank, cache_size=CACHE_SIZE)
+    local = LocalExperts.from_full_weights(weights, partition, rank, cache_size=CACHE_SIZE, device="cpu")
     layer = ExpertParallelMoE(local, pacing=pacing, pacing_chunk_bytes=200)
     other = (rank + 1) % world_size
     if other != rank:  # experts built for another rank are refused before any collective
-        wrong = LocalExperts.from_full_weights(weights, partition, other, cache_size=CACHE_SIZE)
+        wrong = LocalExperts.from_full_weights(weights, partition, other, cache_size=CACHE_SIZE, device="cpu")
         with pytest.raises(ValueError, match="built for rank"):
             ExpertParallelMoE(wrong)
     owners = partition.owners()

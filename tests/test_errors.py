@@ -41,7 +41,7 @@ def snapshot(provider):
     ],
 )
 def test_bad_ids_change_nothing(weights, ids, error, message):
-    provider = CachedWeightProvider(weights, cache_size=3)
+    provider = CachedWeightProvider(weights, cache_size=3, device="cpu")
     provider.prepare(torch.tensor([[0, 1], [2, 1]]))
     provider.prepare(torch.tensor([[4, 0]]))
     before = snapshot(provider)
@@ -59,7 +59,7 @@ def test_bad_ids_change_nothing(weights, ids, error, message):
 
 
 def test_capacity_error_names_the_numbers(weights):
-    provider = CachedWeightProvider(weights, cache_size=2)
+    provider = CachedWeightProvider(weights, cache_size=2, device="cpu")
     with pytest.raises(CacheCapacityError) as info:
         provider.prepare(torch.tensor([[0, 1], [2, 2], [3, 0]]))
     assert info.value.needed == 4 and info.value.num_slots == 2
@@ -87,7 +87,7 @@ def drop(weights, name):
 )
 def test_bad_weights(weights, make, error, message):
     with pytest.raises(error, match=message):
-        CachedWeightProvider(make(weights), cache_size=1)
+        CachedWeightProvider(make(weights), cache_size=1, device="cpu")
     with pytest.raises(error, match=message):
         FullGPUProvider(make(weights))
 
@@ -113,16 +113,16 @@ def test_bad_weights(weights, make, error, message):
 )
 def test_bad_configuration(weights, kwargs, error, message):
     with pytest.raises(error, match=message):
-        CachedWeightProvider(weights, **kwargs)
+        CachedWeightProvider(weights, **{"device": "cpu", **kwargs})
 
 
 def test_pin_budget_is_exact(weights):
-    provider = CachedWeightProvider(weights, cache_size=2)
+    provider = CachedWeightProvider(weights, cache_size=2, device="cpu")
     needed = provider.store.nbytes
     assert needed == provider.pool.layout.buffer_bytes(E)
-    CachedWeightProvider(weights, cache_size=2, pin_budget_bytes=needed)  # exactly enough
+    CachedWeightProvider(weights, cache_size=2, device="cpu", pin_budget_bytes=needed)  # exactly enough
     with pytest.raises(PinBudgetError) as info:
-        CachedWeightProvider(weights, cache_size=2, pin_budget_bytes=needed - 1)
+        CachedWeightProvider(weights, cache_size=2, device="cpu", pin_budget_bytes=needed - 1)
     assert info.value.needed == needed
 
 
@@ -142,7 +142,7 @@ def test_shared_pool_rejects_mismatched_layers(weights):
 
 
 def test_views_reject_out_of_range(weights):
-    provider = CachedWeightProvider(weights, cache_size=2)
+    provider = CachedWeightProvider(weights, cache_size=2, device="cpu")
     with pytest.raises(IndexError):
         provider.slot_of(E)
     with pytest.raises(IndexError):
@@ -150,7 +150,7 @@ def test_views_reject_out_of_range(weights):
 
 
 def test_empty_call_is_a_no_op(weights):
-    provider = CachedWeightProvider(weights, cache_size=2)
+    provider = CachedWeightProvider(weights, cache_size=2, device="cpu")
     result = provider.prepare(torch.zeros(0, 2, dtype=torch.long))
     assert result.topk_ids.shape == (0, 2)
     assert provider.resident() == frozenset() and provider.stats.calls == 1

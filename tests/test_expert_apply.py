@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import devices
+from conftest import HAS_CUDA, devices
 from helpers import random_topk, random_weights
 
 from expertcache import CachedWeightProvider
@@ -59,18 +59,19 @@ def test_slots_give_identical_outputs_to_full_weights(device, mode):
         )
 
 
-def test_moe_apply_rejects_bad_shapes():
-    w = random_weights(4, 16, 8)
+@pytest.mark.parametrize("device", devices())
+def test_moe_apply_rejects_bad_shapes(device):
+    w = {k: v.to(device) for k, v in random_weights(4, 16, 8).items()}
+    ids, router = torch.zeros(1, 2, dtype=torch.long, device=device), torch.rand(1, 2, device=device)
     with pytest.raises(ValueError, match="disagree"):
-        moe_apply(torch.randn(1, 8), w["w1"], w["w2"], torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.long))
-    ids = torch.zeros(1, 2, dtype=torch.long)
+        moe_apply(torch.randn(1, 8, device=device), w["w1"], w["w2"], router, ids)
     with pytest.raises(TypeError, match="floating point"):
-        moe_apply(torch.ones(1, 16, dtype=torch.long), w["w1"], w["w2"], torch.rand(1, 2), ids)
+        moe_apply(torch.ones(1, 16, dtype=torch.long, device=device), w["w1"], w["w2"], router, ids)
     with pytest.raises(ValueError, match="is on meta"):
-        moe_apply(torch.randn(1, 16), w["w1"], w["w2"].to("meta"), torch.rand(1, 2), ids)
+        moe_apply(torch.randn(1, 16, device=device), w["w1"], w["w2"].to("meta"), router, ids)
     with pytest.raises(ValueError, match="contiguous"):
-        moe_apply(torch.randn(1, 16), w["w1"].transpose(1, 2).contiguous().transpose(1, 2), w["w2"],
-                  torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.long))  # fmt: skip
+        moe_apply(torch.randn(1, 16, device=device), w["w1"].transpose(1, 2).contiguous().transpose(1, 2), w["w2"],
+                  router, ids)  # fmt: skip
 
 
 def dequantize(weights: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
@@ -81,7 +82,7 @@ def dequantize(weights: torch.Tensor, scales: torch.Tensor, block: int) -> torch
 
 # (weight dtype, device) and its tolerance; fp8 e4m3 needs the GPU.
 SCALED = [
-    pytest.param(torch.float16, "cpu", 1e-3, id="fp16-cpu"),
+    pytest.param(torch.float16, "cuda" if HAS_CUDA else "cpu", 1e-3, id="fp16"),
     pytest.param(torch.float8_e4m3fn, "cuda", 1e-4, id="fp8-cuda", marks=pytest.mark.gpu),
 ]
 

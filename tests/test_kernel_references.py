@@ -162,10 +162,13 @@ def test_moe_apply_equals_reference_and_counts_bad_ids(device):
     assert int(invalid) == 3  # 5, 2**40 and -9; -1 is a skip, not an error
 
 
-def test_moe_apply_checks_scales():
-    w = random_weights(4, 40, 24)
-    ids, x, router = torch.zeros(1, 2, dtype=torch.long), torch.randn(1, 40), torch.rand(1, 2)
-    good1, good2 = torch.ones(4, 3, 3), torch.ones(4, 3, 2)  # blocks of 16: ceil(48/16), ceil(40/16)
+@pytest.mark.parametrize("device", devices())
+def test_moe_apply_checks_scales(device):
+    w = {k: v.to(device) for k, v in random_weights(4, 40, 24).items()}
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    x, router = torch.randn(1, 40, device=device), torch.rand(1, 2, device=device)
+    # blocks of 16: ceil(48/16), ceil(40/16)
+    good1, good2 = torch.ones(4, 3, 3, device=device), torch.ones(4, 3, 2, device=device)
     moe_apply(x, w["w1"], w["w2"], router, ids, w1_scale=good1, w2_scale=good2, scale_block=16)
     with pytest.raises(ValueError, match="w1_scale must be"):
         moe_apply(x, w["w1"], w["w2"], router, ids, w1_scale=good1[:, :2], w2_scale=good2, scale_block=16)

@@ -126,6 +126,6 @@ def test_prefill_with_more_local_experts_than_slots(device):
 
 def test_a_call_where_every_choice_is_skipped_gives_zeros():
     partition = ExpertPartition(4, 2)
-    rank = LocalExperts.from_full_weights(random_weights(4, HIDDEN, INTER), partition, 1, cache_size=1)
+    rank = LocalExperts.from_full_weights(random_weights(4, HIDDEN, INTER), partition, 1, cache_size=1, device="cpu")
     out = rank.outputs(torch.randn(3, HIDDEN), torch.full((3, 2), -1))
     assert torch.equal(out, torch.zeros(3, 2, HIDDEN))
