@@ -18,19 +18,21 @@ def _probe():
     pass
 
 
+#: Whether Triton kernels run under the interpreter (``TRITON_INTERPRET=1`` when they were
+#: defined); decided once, so ``torch.compile`` traces the checks below as constants.
+INTERPRETED = isinstance(_probe, InterpretedFunction)
+_KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"
+
+
 def interpreted() -> bool:
     """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return isinstance(_probe, InterpretedFunction)
+    return INTERPRETED
 
 
-def runs_on(kernel: object, tensor: torch.Tensor) -> bool:
-    """True when ``kernel`` can be launched on ``tensor``'s device.
-
-    Compiled kernels need CUDA tensors; interpreted ones (``TRITON_INTERPRET=1``) need CPU
-    tensors.
-    """
-    interpreted = isinstance(kernel, InterpretedFunction)
-    return tensor.device.type == ("cpu" if interpreted else "cuda")
+def runs_on(tensor: torch.Tensor) -> bool:
+    """True when the kernels can be launched on ``tensor``'s device: compiled kernels need
+    CUDA tensors, interpreted ones (``TRITON_INTERPRET=1``) CPU tensors."""
+    return tensor.device.type == _KERNEL_DEVICE
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

@@ -231,7 +231,7 @@ def admit(
         layer: row of ``tables.counters`` to count into.
         num_warps: of the launch (default: measured best for the kernel).
     """
-    if not runs_on(_admit_kernel, topk_ids):
+    if not runs_on(topk_ids):
         raise RuntimeError("device admission needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
     if not (topk_ids.is_contiguous() and out.is_contiguous() and out.shape == topk_ids.shape):
         raise ValueError("topk_ids and out must be contiguous tensors of one shape")

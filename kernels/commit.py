@@ -76,7 +76,7 @@ def commit_plan(
 
     On a CPU tensor without ``TRITON_INTERPRET=1`` the torch reference runs instead.
     """
-    if not runs_on(_commit_kernel, topk_ids):
+    if not runs_on(topk_ids):
         commit_plan_torch(
             tables, topk_ids, global_to_local, out, counts=counts, has_plan=has_plan,
             num_global=num_global, key_offset=key_offset, layer=layer,

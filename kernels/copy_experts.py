@@ -162,7 +162,7 @@ def copy_experts(
         raise ValueError(f"give 1 to {MAX_TENSORS} slot tensors, one per segment")
     if any(not t.is_contiguous() or t.device != slots[0].device for t in slots):
         raise ValueError("slot tensors must be contiguous and on one device")
-    if not runs_on(_copy_experts_kernel, slots[0]):
+    if not runs_on(slots[0]):
         raise RuntimeError("the copy kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
     word = _WORD[unit]
     if num_programs is None:

@@ -276,7 +276,7 @@ def _check(hidden, w1, w2, topk_weights, topk_ids) -> None:
     ):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
-    if not runs_on(_gate_up_kernel, hidden):
+    if not runs_on(hidden):
         raise RuntimeError("moe_apply needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
     if hidden.dim() != 2 or w1.dim() != 3 or w2.dim() != 3 or topk_ids.dim() != 2:
         raise ValueError("hidden must be [T, H], w1 [N, 2I, H], w2 [N, H, I], topk_ids [T, K]")

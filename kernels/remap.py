@@ -62,7 +62,7 @@ def remap_topk_ids_torch(topk_ids: torch.Tensor, mapping: torch.Tensor) -> torch
 
 def launch_remap(topk_ids: torch.Tensor, mapping: torch.Tensor, out: torch.Tensor) -> None:
     """Write ``mapping[topk_ids]`` into ``out`` (checked by `remap_topk_ids`); torch on a plain CPU."""
-    if not runs_on(_remap_kernel, topk_ids):
+    if not runs_on(topk_ids):
         out.copy_(remap_topk_ids_torch(topk_ids, mapping))
         return
     ids = topk_ids.contiguous()

@@ -93,9 +93,10 @@ def test_commit_equals_reference(device, has_plan):
     num_keys, num_slots = 12, 5
     kernel, reference = (SlotTables.allocate(num_keys, num_slots, 2, torch.device(device)) for _ in range(2))
     for tables in (kernel, reference):
-        tables.expert_to_slot[torch.tensor([2, 7, 9])] = torch.tensor([0, 1, 3], dtype=torch.int32)
-        tables.slot_to_key[torch.tensor([0, 1, 3])] = torch.tensor([2, 7, 9], dtype=torch.int32)
-        tables.plan[: 1 + 8] = torch.tensor([2, 4, 3, 10, 9, 5, 2, 11, -1], dtype=torch.int32)  # evict 9, fill 2
+        put = dict(dtype=torch.int32, device=device)
+        tables.expert_to_slot[torch.tensor([2, 7, 9], device=device)] = torch.tensor([0, 1, 3], **put)
+        tables.slot_to_key[torch.tensor([0, 1, 3], device=device)] = torch.tensor([2, 7, 9], **put)
+        tables.plan[: 1 + 8] = torch.tensor([2, 4, 3, 10, 9, 5, 2, 11, -1], **put)  # evict 9, fill 2
     mapping = torch.randperm(6, generator=gen).int().to(device)
     ids = torch.tensor([[0, 3, 5], [1, 0, 6]], device=device)  # 6 is out of the 6-entry map
     outs = [torch.full_like(ids, -7) for _ in range(2)]
