@@ -27,7 +27,7 @@ class FlashlibLRUProvider(ExpertWeightProvider):
         self._lru_ensure = lru_ensure
         self.store = store
         self.tensors = store.layout.allocate(num_slots, torch.device("cuda"), 0xFF)
-        (self._group,) = copy_groups(store, torch.device("cuda"))
+        (self._group,) = copy_groups(store)
 
         def full(size, value, dtype):
             return torch.full(size, value, dtype=dtype, device="cuda")
@@ -51,8 +51,7 @@ class FlashlibLRUProvider(ExpertWeightProvider):
         )  # fmt: skip
         copy_experts(
             self.store.buffer, list(self.tensors.values()), CopyPlan(self.num_copy.view(1), self.src, self.dst, 1),
-            self._group.segments, self._group.chunks_per_expert,
-            unit=self.store.layout.copy_unit, num_experts=self.store.num_experts,
+            self._group.segments, unit=self.store.layout.copy_unit, num_experts=self.store.num_experts,
         )  # fmt: skip
         return result_from_tensors(self.tensors, out.view(topk_ids.shape))
 

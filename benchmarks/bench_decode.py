@@ -139,9 +139,8 @@ def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
                         torch.randperm(32)[:count].int().cuda(), 1)  # fmt: skip
 
         def kernel_copy(programs, block, plan=plan):
-            table, chunks = segments[block]
-            copy_experts(store.buffer, list(slots.values()), plan, table.to(cuda), chunks, unit=layout.copy_unit,
-                         num_experts=store.num_experts, num_programs=programs, block=block)  # fmt: skip
+            copy_experts(store.buffer, list(slots.values()), plan, segments[block], unit=layout.copy_unit,
+                         num_experts=store.num_experts, num_programs=programs)  # fmt: skip
 
         pairs = [
             (slots[name][s], store.tensors[name][e])

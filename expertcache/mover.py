@@ -23,7 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from expertcache.call_plan import Load
-from expertcache.kernels.copy_experts import DEFAULT_BLOCK, MAX_TENSORS, CopyPlan, build_segments, copy_experts
+from expertcache.kernels.copy_experts import (
+    DEFAULT_BLOCK,
+    MAX_TENSORS,
+    CopyPlan,
+    Segments,
+    build_segments,
+    copy_experts,
+)
 from expertcache.store import CPUBackingStore
 
 MOVERS = ("engine", "kernel")
@@ -55,22 +62,21 @@ class CopyGroup:
     """Up to eight of a layer's tensors, copied by one kernel launch."""
 
     names: tuple[str, ...]
-    segments: torch.Tensor  # [names, 3] int64 on the pool's device
-    chunks_per_expert: int
+    segments: Segments
 
 
-def copy_groups(store: CPUBackingStore, device: torch.device) -> tuple[CopyGroup, ...]:
-    """The launches that copy one expert of ``store``'s layout into slot tensors on ``device``."""
+def copy_groups(store: CPUBackingStore) -> tuple[CopyGroup, ...]:
+    """The launches that copy one expert of ``store``'s layout into the slot tensors."""
     layout = store.layout
     offsets = dict(zip((spec.name for spec in layout.specs), layout.region_offsets(store.num_experts), strict=True))
     groups = []
     for start in range(0, len(layout.specs), MAX_TENSORS):
         specs = layout.specs[start : start + MAX_TENSORS]
-        segments, chunks = build_segments(
+        segments = build_segments(
             tuple(offsets[spec.name] for spec in specs), tuple(spec.nbytes for spec in specs),
             layout.copy_unit, DEFAULT_BLOCK,
         )  # fmt: skip
-        groups.append(CopyGroup(tuple(spec.name for spec in specs), segments.to(device), chunks))
+        groups.append(CopyGroup(tuple(spec.name for spec in specs), segments))
     return tuple(groups)
 
 
@@ -81,7 +87,6 @@ def copy_with_kernel(
     for group in groups:
         copy_experts(
             store.buffer, [slots[name] for name in group.names], CopyPlan.of(plan), group.segments,
-            group.chunks_per_expert,
             unit=store.layout.copy_unit, num_experts=store.num_experts,
         )  # fmt: skip
 

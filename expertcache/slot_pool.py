@@ -150,7 +150,7 @@ class SlotPool:
         layer = PoolLayer(
             name, len(self.layers), key_offset, store, int(host_map.size),
             None if identity else global_to_local.to(self.device, torch.int32), host_map,
-            copy_groups(store, self.device),
+            copy_groups(store),
         )  # fmt: skip
         self.tables = SlotTables.allocate(
             key_offset + store.num_experts, self.num_slots, len(self.layers) + 1, self.device

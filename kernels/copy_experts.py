@@ -8,19 +8,19 @@ pinned host memory read through its mapped device address (UVA).
 The source is one flat byte buffer carved into one ``[E, *shape]`` region per tensor name
 (`expertcache.layout`); the destinations are the pool's slot tensors, one contiguous
 ``[S, *shape]`` allocation per name (up to ``MAX_TENSORS`` per launch; the launcher splits
-larger sets). A ``segments`` table gives, per name, in copy words (``unit`` bytes each)::
-
-    segments [names, 3] int64:  source offset | words per expert | first chunk
-
-so expert ``e`` of name ``n`` is ``source[src_off[n] + e * words[n] ...]`` and slot ``s``
-is ``slots[n][s * words[n] ...]``. Each expert is cut into chunks of ``BLOCK`` words (per
-name), dealt round-robin to a fixed number of programs, which keeps enough PCIe reads in
-flight to approach the copy engine's bandwidth. Entries naming a row or slot out of range
-are skipped.
+larger sets). `Segments` says, per name, in copy words (``unit`` bytes each), where its
+region starts and how many words one expert has, so expert ``e`` of name ``n`` is
+``source[offset[n] + e * words[n] ...]`` and slot ``s`` is ``slots[n][s * words[n] ...]``.
+They are passed as scalar arguments (no table to load before each chunk's read, and
+Triton sees their alignment, so the loads from mapped memory are 16 bytes wide). Each
+expert is cut into chunks of ``BLOCK`` words per name, dealt round-robin to a fixed number
+of programs, which keeps enough PCIe reads in flight to approach the copy engine's
+bandwidth. Copies naming a row or slot out of range are skipped.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -39,8 +39,12 @@ _WORD = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 @triton.jit
 def _copy_experts_kernel(
     source_ptr, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7,
-    count_ptr, experts_ptr, slot_ids_ptr, stride, segments_ptr, num_experts, num_slots, chunks_per_expert,
-    BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    count_ptr, experts_ptr, slot_ids_ptr, stride,
+    offset0, offset1, offset2, offset3, offset4, offset5, offset6, offset7,
+    words0, words1, words2, words3, words4, words5, words6, words7,
+    first1, first2, first3, first4, first5, first6, first7,
+    num_experts, num_slots, chunks_per_expert,
+    BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     count = tl.minimum(tl.load(count_ptr).to(tl.int32), num_slots)
     for work in range(tl.program_id(0), count * chunks_per_expert, NUM_PROGRAMS):
@@ -48,31 +52,42 @@ def _copy_experts_kernel(
         chunk = work % chunks_per_expert
         expert = tl.load(experts_ptr + stride * rank).to(tl.int64)
         slot = tl.load(slot_ids_ptr + stride * rank).to(tl.int64)
-        segment = 0
-        for n in tl.static_range(1, NUM_SEGMENTS):
-            segment += (chunk >= tl.load(segments_ptr + 3 * n + 2)).to(tl.int32)
-        row = segments_ptr + 3 * segment
-        words = tl.load(row + 1)
-        offsets = (chunk - tl.load(row + 2)) * BLOCK + tl.arange(0, BLOCK)
-        ok = (expert >= 0) & (expert < num_experts) & (slot >= 0) & (slot < num_slots)
-        mask = offsets < tl.where(ok, words, 0)
-        values = tl.load(source_ptr + tl.load(row) + expert * words + offsets, mask=mask)
-        destination = slots0
-        if segment == 1:
-            destination = slots1
-        if segment == 2:
-            destination = slots2
-        if segment == 3:
-            destination = slots3
-        if segment == 4:
-            destination = slots4
-        if segment == 5:
-            destination = slots5
-        if segment == 6:
-            destination = slots6
-        if segment == 7:
-            destination = slots7
-        tl.store(destination + slot * words + offsets, values, mask=mask)
+        # the segment of this chunk: the last whose first chunk it reaches (int64 throughout:
+        # the arguments come as int32, int64 or constants, and every branch must agree)
+        zero = (chunk * 0).to(tl.int64)
+        offset, words, first, destination = zero + offset0, zero + words0, zero, slots0
+        if NUM_SEGMENTS > 1:
+            if chunk >= first1:
+                offset, words, first, destination = zero + offset1, zero + words1, zero + first1, slots1
+        if NUM_SEGMENTS > 2:
+            if chunk >= first2:
+                offset, words, first, destination = zero + offset2, zero + words2, zero + first2, slots2
+        if NUM_SEGMENTS > 3:
+            if chunk >= first3:
+                offset, words, first, destination = zero + offset3, zero + words3, zero + first3, slots3
+        if NUM_SEGMENTS > 4:
+            if chunk >= first4:
+                offset, words, first, destination = zero + offset4, zero + words4, zero + first4, slots4
+        if NUM_SEGMENTS > 5:
+            if chunk >= first5:
+                offset, words, first, destination = zero + offset5, zero + words5, zero + first5, slots5
+        if NUM_SEGMENTS > 6:
+            if chunk >= first6:
+                offset, words, first, destination = zero + offset6, zero + words6, zero + first6, slots6
+        if NUM_SEGMENTS > 7:
+            if chunk >= first7:
+                offset, words, first, destination = zero + offset7, zero + words7, zero + first7, slots7
+        if (expert >= 0) & (expert < num_experts) & (slot >= 0) & (slot < num_slots):
+            start = (chunk - first) * BLOCK
+            lanes = tl.arange(0, BLOCK)
+            # hinted offsets (ALIGN-aligned, contiguous) make the loads ALIGN words wide
+            source = tl.max_contiguous(tl.multiple_of(offset + expert * words + start + lanes, ALIGN), BLOCK)
+            target = tl.max_contiguous(tl.multiple_of(slot * words + start + lanes, ALIGN), BLOCK)
+            if start + BLOCK <= words:  # a whole chunk: no mask, wide loads
+                tl.store(destination + target, tl.load(source_ptr + source))
+            else:  # the segment's last chunk
+                mask = lanes < words - start
+                tl.store(destination + target, tl.load(source_ptr + source, mask=mask), mask=mask)
 
 
 #: Slot tensors one launch writes (kernel arguments ``slots0 .. slots7``).
@@ -94,28 +109,43 @@ class CopyPlan(NamedTuple):
         return cls(plan[:1], plan[1:], plan[2:], 4)
 
 
-def build_segments(
-    source_offsets: tuple[int, ...], expert_bytes: tuple[int, ...], unit: int, block: int
-) -> tuple[torch.Tensor, int]:
-    """The ``[names, 3]`` int64 segments table (CPU) and the chunks of one expert.
+class Segments(NamedTuple):
+    """Where each of up to ``MAX_TENSORS`` names lives in the source, in copy words.
 
-    Args:
-        source_offsets: byte offset of each name's region in the source buffer.
-        expert_bytes: bytes of one expert of each name.
-        unit: bytes of a copy word; must divide every offset and size.
+    Attributes:
+        offsets: first word of each name's region in the source buffer.
+        words: words of one expert of each name.
+        first_chunks: first chunk (of an expert's ``chunks_per_expert``) of each name.
+        chunks_per_expert: chunks of ``block`` words one expert takes, over all names.
         block: words per chunk.
+        align: words (4, 2 or 1) that divide every offset and size (loads that wide).
     """
-    rows, first = [], 0
-    for src, nbytes in zip(source_offsets, expert_bytes, strict=True):
-        if src % unit or nbytes % unit:
+
+    offsets: tuple[int, ...]
+    words: tuple[int, ...]
+    first_chunks: tuple[int, ...]
+    chunks_per_expert: int
+    block: int
+    align: int
+
+
+def build_segments(source_offsets: tuple[int, ...], expert_bytes: tuple[int, ...], unit: int, block: int) -> Segments:
+    """The `Segments` of names whose regions start at ``source_offsets`` (bytes) and whose
+    experts take ``expert_bytes``, copied in words of ``unit`` bytes, ``block`` words a chunk."""
+    if not 1 <= len(source_offsets) <= MAX_TENSORS:
+        raise ValueError(f"a launch copies 1 to {MAX_TENSORS} tensors, got {len(source_offsets)}")
+    for offset, nbytes in zip(source_offsets, expert_bytes, strict=True):
+        if offset % unit or nbytes % unit:
             raise ValueError(f"offsets and sizes must be multiples of the copy word ({unit} bytes)")
-        rows.append([src // unit, nbytes // unit, first])
-        first += triton.cdiv(nbytes // unit, block)
-    return torch.tensor(rows, dtype=torch.int64), first
+    offsets = tuple(offset // unit for offset in source_offsets)
+    words = tuple(nbytes // unit for nbytes in expert_bytes)
+    chunks = [triton.cdiv(count, block) for count in words]
+    first_chunks = tuple(sum(chunks[:index]) for index in range(len(chunks)))
+    return Segments(offsets, words, first_chunks, sum(chunks), block, math.gcd(4, *offsets, *words))
 
 
 def copy_experts_torch(
-    source: torch.Tensor, slots: list[torch.Tensor], plan: CopyPlan, segments: torch.Tensor, *, unit: int
+    source: torch.Tensor, slots: list[torch.Tensor], plan: CopyPlan, segments: Segments, *, unit: int
 ) -> None:
     """Reference of `copy_experts`: for every planned copy, each name's expert words into its slot."""
     source_words = source.view(_WORD[unit])
@@ -123,8 +153,8 @@ def copy_experts_torch(
     experts = plan.experts[: plan.stride * count : plan.stride].tolist()
     slot_ids = plan.slots[: plan.stride * count : plan.stride].tolist()
     for expert, slot in zip(experts, slot_ids, strict=True):
-        for (src, words, _), tensor in zip(segments.tolist(), slots, strict=True):
-            chunk = source_words[src + expert * words : src + (expert + 1) * words]
+        for offset, words, tensor in zip(segments.offsets, segments.words, slots, strict=True):
+            chunk = source_words[offset + expert * words : offset + (expert + 1) * words]
             tensor.reshape(-1).view(_WORD[unit])[slot * words : (slot + 1) * words] = chunk.to(tensor.device)
 
 
@@ -132,34 +162,30 @@ def copy_experts(
     source: torch.Tensor,
     slots: list[torch.Tensor],
     plan: CopyPlan,
-    segments: torch.Tensor,
-    chunks_per_expert: int,
+    segments: Segments,
     *,
     unit: int,
     num_experts: int,
     num_programs: int | None = None,
-    block: int = DEFAULT_BLOCK,
 ) -> None:
     """Copy the planned experts without reading the plan on the host.
 
     Args:
         source: ``[bytes]`` uint8 store buffer: pinned host memory (GPU slots) or any CPU
             tensor (interpreted).
-        slots: the ``[S, *shape]`` contiguous slot tensors on the device, one per row of
+        slots: the ``[S, *shape]`` contiguous slot tensors on the device, one per name of
             ``segments`` (at most ``MAX_TENSORS``).
         plan: the copies, on the slots' device (`CopyPlan`; a pool's: ``CopyPlan.of(plan)``).
-        segments: ``[names, 3]`` int64 on the device, from `build_segments` with ``block``.
-        chunks_per_expert: from `build_segments`.
+        segments: from `build_segments`.
         unit: bytes of a copy word (4, 2 or 1).
-        num_experts: rows of the store (entries outside are skipped).
+        num_experts: rows of the store (copies naming others are skipped).
         num_programs: programs of the persistent grid (fixed: graph-safe); default
             ``DEFAULT_PROGRAMS`` on a GPU, 2 when interpreted (programs run one by one there).
-        block: words per chunk (a power of two).
     """
     if source.dtype != torch.uint8 or source.dim() != 1:
         raise ValueError("source must be a flat uint8 buffer")
-    if not 1 <= len(slots) <= MAX_TENSORS or len(slots) != segments.shape[0]:
-        raise ValueError(f"give 1 to {MAX_TENSORS} slot tensors, one per segment")
+    if len(slots) != len(segments.words):
+        raise ValueError(f"give one slot tensor per segment ({len(segments.words)}), got {len(slots)}")
     if any(not t.is_contiguous() or t.device != slots[0].device for t in slots):
         raise ValueError("slot tensors must be contiguous and on one device")
     if not runs_on(slots[0]):
@@ -173,12 +199,14 @@ def copy_experts(
         source_arg: object = MappedHostPointer(source, word)
     else:
         source_arg = source.view(word)
-    destinations = [t.reshape(-1).view(word) for t in slots]
-    destinations += [destinations[0]] * (MAX_TENSORS - len(destinations))
+    pad = MAX_TENSORS - len(slots)
+    destinations = [t.reshape(-1).view(word) for t in slots] + [slots[0].reshape(-1).view(word)] * pad
     _copy_experts_kernel[(num_programs,)](
-        source_arg, *destinations, plan.count, plan.experts, plan.slots, plan.stride, segments,
-        num_experts, slots[0].shape[0], chunks_per_expert,
-        BLOCK=block, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=segments.shape[0], num_warps=warps_for(block),
+        source_arg, *destinations, plan.count, plan.experts, plan.slots, plan.stride,
+        *segments.offsets, *(0,) * pad, *segments.words, *(0,) * pad, *segments.first_chunks[1:], *(0,) * pad,
+        num_experts, slots[0].shape[0], segments.chunks_per_expert,
+        BLOCK=segments.block, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=len(slots), ALIGN=segments.align,
+        num_warps=warps_for(segments.block),
     )  # fmt: skip
 
 

@@ -128,15 +128,15 @@ def test_copy_kernel_equals_reference(device, specs):
     if device == "cuda":
         source = source.pin_memory()
     block = 4  # several chunks per tensor, a ragged last one
-    segments, chunks = build_segments(
+    segments = build_segments(
         layout.region_offsets(num_experts), tuple(s.nbytes for s in layout.specs), layout.copy_unit, block
     )
     kernel = layout.allocate(num_slots, torch.device(device), 0xFF)
     expected = {name: t.clone() for name, t in kernel.items()}
     plan = torch.tensor([3, 6, 4, 0, 0, 0, 1, 0, 0, 2, 2, 0, 0] + [9] * 8, dtype=torch.int32, device=device)
     copy_experts(
-        source, list(kernel.values()), CopyPlan.of(plan), segments.to(device), chunks,
-        unit=layout.copy_unit, num_experts=num_experts, num_programs=3, block=block,
+        source, list(kernel.values()), CopyPlan.of(plan), segments,
+        unit=layout.copy_unit, num_experts=num_experts, num_programs=3,
     )  # fmt: skip
     copy_experts_torch(source, list(expected.values()), CopyPlan.of(plan.cpu()), segments, unit=layout.copy_unit)
     for name in kernel:
@@ -178,3 +178,23 @@ def test_moe_apply_checks_scales(device):
                   w2_scale=good2, scale_block=16)  # fmt: skip
     with pytest.raises(ValueError, match="both"):
         moe_apply(x, w["w1"], w["w2"], router, ids, w1_scale=good1)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode, mover", [("host", "kernel"), ("device", "kernel"), ("host", "engine")])
+def test_nine_tensors_take_two_copy_launches(device, mode, mover):
+    """More registered tensors than one launch writes (9 > 8): every one lands, byte for byte."""
+    from expertcache import CachedWeightProvider, SlotPool
+
+    gen = torch.Generator().manual_seed(9)
+    weights = random_weights(6, 8, 4, generator=gen)
+    weights.update({f"extra{i}": torch.randn(6, i + 1, generator=gen) for i in range(7)})
+    pool = SlotPool.for_weights(weights, 3, device=device, mode=mode, mover=mover)
+    provider = CachedWeightProvider(weights, pool=pool)
+    for ids in ([[0, 1]], [[2, 3]], [[4, 1]], [[5, 0]]):
+        result = provider.prepare(torch.tensor(ids, device=device))
+        for expert in provider.resident():
+            slot = provider.slot_of(expert)
+            for name in weights:
+                held = {"w1": result.w1, "w2": result.w2, **result.extra}[name]
+                assert torch.equal(held[slot].cpu(), weights[name][expert]), name
