@@ -12,11 +12,16 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from expertcache.planner import RUNTIME_POLICIES, Plan, PlanRow
+from expertcache.commands.arguments import MAX_COUNT, output_file, positive_number, whole_number
+from expertcache.planner import RUNTIME_POLICIES, Plan, PlanRow, check_policies
+
+#: The largest --gpu-budget (GB) and --bandwidth (GB/s) taken: an exabyte, an exabyte a second.
+MAX_GIGABYTES = 1e9
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,48 +30,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--trace", required=True, help="routing trace (.npz, .jsonl or folder)")
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--expert-bytes", type=_positive_int, help="bytes of one expert (record)")
+    size.add_argument("--expert-bytes", type=whole_number(1, 2**53), help="bytes of one expert (record)")
     size.add_argument("--manifest", help="manifest JSON (provider.manifest().write(FILE))")
-    parser.add_argument("--gpu-budget", type=_positive_float, required=True, help="GB for slots")
-    parser.add_argument("--bandwidth", type=_positive_float, help="host->GPU copy GB/s")
-    parser.add_argument("--layers", type=_positive_int, help="MoE layers of the model")
-    parser.add_argument("--num-experts", type=_positive_int, help="experts per layer (override)")
-    parser.add_argument("--policies", default=",".join(RUNTIME_POLICIES), help="comma-separated policy names")
-    parser.add_argument("--plot", help="write hit rate vs cache size to this PNG")
-    parser.add_argument("--csv", help="write every scored row to this CSV")
+    gigabytes = positive_number(MAX_GIGABYTES)
+    parser.add_argument("--gpu-budget", type=gigabytes, required=True, help="GB for slots")
+    parser.add_argument("--bandwidth", type=gigabytes, help="host->GPU copy GB/s")
+    parser.add_argument("--layers", type=whole_number(1, MAX_COUNT), help="MoE layers of the model")
+    parser.add_argument("--num-experts", type=whole_number(1, MAX_COUNT), help="experts per layer (override)")
+    parser.add_argument(
+        "--policies",
+        type=_policy_list,
+        default=RUNTIME_POLICIES,
+        help=f"comma-separated runtime policy names (default: {','.join(RUNTIME_POLICIES)})",
+    )
+    parser.add_argument("--plot", type=output_file(".png"), help="write hit rate vs cache size to this PNG")
+    parser.add_argument("--csv", type=output_file(), help="write every scored row to this CSV")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+def _policy_list(text: str) -> tuple[str, ...]:
+    try:
+        return check_policies([name for name in text.split(",") if name.strip()])
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def run(args: argparse.Namespace) -> int:
-    from expertcache.manifest import Manifest
     from expertcache.planner import plan
     from expertcache.trace import load_trace
 
+    manifest = read_manifest_sizes(args.manifest) if args.manifest else None
     trace = load_trace(args.trace, num_experts=args.num_experts)
     expert_bytes = args.expert_bytes
-    if args.manifest:
-        manifest = Manifest.read(args.manifest)
-        expert_bytes = manifest.record_bytes
-        per_layer = manifest.experts // manifest.layers
+    if manifest is not None:
+        expert_bytes, per_layer = manifest
         if per_layer != trace.num_experts:
             note = f"the manifest has {per_layer} experts per layer, the trace {trace.num_experts}"
             print(f"note: {note}")
-    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    policies = list(args.policies)
     result = plan(
         trace,
         expert_bytes=expert_bytes,
@@ -88,6 +90,39 @@ def run(args: argparse.Namespace) -> int:
         plot_plan(result, args.plot, title=f"{name}: hit rate vs cache size")
         print(f"plot: {args.plot}")
     return 0
+
+
+def read_manifest_sizes(path: str | Path) -> tuple[int, int]:
+    """``(record_bytes, experts per layer)`` from a manifest written by ``Manifest.write``.
+
+    Raises:
+        ValueError: missing, not UTF-8 JSON, not a version-1 manifest, or a field that is
+            not a positive integer (the message names the file and the field).
+    """
+    from expertcache.manifest import MANIFEST_VERSION
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--manifest {path}: {'is a directory' if path.is_dir() else 'no such file'}")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"--manifest {path}: not UTF-8 text") from None
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"--manifest {path}: not JSON ({error})") from None
+    if not isinstance(data, dict) or data.get("manifest_version") != MANIFEST_VERSION:
+        raise ValueError(f"--manifest {path}: not an expertcache manifest (manifest_version {MANIFEST_VERSION})")
+    values = {}
+    for name in ("record_bytes", "experts", "layers"):
+        value = data.get(name)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"--manifest {path}: {name!r} must be a positive integer, got {value!r:.40}")
+        values[name] = value
+    if values["experts"] % values["layers"]:
+        raise ValueError(
+            f"--manifest {path}: {values['experts']} experts do not split evenly over {values['layers']} layers"
+        )
+    return values["record_bytes"], values["experts"] // values["layers"]
 
 
 def _progress_bar(total: int) -> Callable[[], None]:
@@ -163,7 +198,7 @@ def recommendation(result: Plan, num_experts: int, layers: int) -> str:
     )
 
 
-def _write_csv(result: Plan, path: str) -> None:
+def _write_csv(result: Plan, path: str | Path) -> None:
     fields = [field.name for field in dataclasses.fields(PlanRow)]
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
