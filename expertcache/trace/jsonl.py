@@ -50,7 +50,8 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise TraceFileError(path, f"not JSON ({error.msg}, column {error.colno})", line=number) from None
+                reason = error.msg.removesuffix(" at")
+                raise TraceFileError(path, f"not JSON ({reason}, column {error.colno})", line=number) from None
             except (ValueError, RecursionError) as error:  # a 5000-digit int, nesting too deep
                 raise TraceFileError(path, f"not JSON that can be read ({error})", line=number) from None
             if not isinstance(record, dict):

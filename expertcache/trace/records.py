@@ -50,8 +50,10 @@ class RecordChecker:
         value = self.field(line, record, key)
         if type(value) is not int:
             raise self.fail(line, f"{key!r} must be a non-negative integer, got {json_type(value)} {value!r:.40}")
-        if not 0 <= value <= _INDEX_LIMIT:
-            raise self.fail(line, f"{key!r} must be a non-negative integer below 2**63, got {value!r:.40}")
+        if value < 0:
+            raise self.fail(line, f"{key!r} must be a non-negative integer, got {value}")
+        if value > _INDEX_LIMIT:
+            raise self.fail(line, f"{key!r} must be below 2**63, got {value!r:.40}")
         return value
 
     def identity(self, line: int, record: dict, key: str) -> int | str:
