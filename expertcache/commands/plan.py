@@ -62,6 +62,12 @@ def run(args: argparse.Namespace) -> int:
 
     manifest = read_manifest_sizes(args.manifest) if args.manifest else None
     trace = load_trace(args.trace, num_experts=args.num_experts)
+    if trace.num_records == 0:
+        raise ValueError(
+            f"{args.trace}: the trace has no routing records ({trace.num_tokens} tokens): nothing to plan on"
+        )
+    if args.layers is not None and args.layers < trace.num_layers:
+        raise ValueError(f"--layers {args.layers} is fewer than the {trace.num_layers} MoE layers the trace records")
     expert_bytes = args.expert_bytes
     if manifest is not None:
         expert_bytes, per_layer = manifest
