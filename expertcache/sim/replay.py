@@ -150,7 +150,7 @@ def _distinct_keys(call: object, index: int) -> tuple[Hashable, ...]:
 
 def _call_indices(forward_starts: Collection[int]) -> set[int]:
     """The starts as a set (an index past the last call starts a pass that never comes)."""
-    indices = set()
+    indices: set[int] = set()
     for start in forward_starts:
         if isinstance(start, bool) or not isinstance(start, Integral) or start < 0:
             raise ValueError(f"forward_starts must be non-negative call indices, got {start!r}")

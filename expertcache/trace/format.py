@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -194,8 +195,9 @@ class RoutingTrace:
         meta = _read_meta(path, arrays.pop("meta"))
         if num_experts is not None:
             meta["num_experts"] = num_experts
+        fields: dict[str, Any] = {**arrays, **meta}
         try:
-            return cls(**arrays, **meta)
+            return cls(**fields)
         except (TypeError, ValueError) as error:
             raise TraceFileError(path, f"not a valid routing trace: {error}") from None
 

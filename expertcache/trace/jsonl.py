@@ -9,7 +9,7 @@ claiming ``token_pos`` 10**12 is refused instead of allocating terabytes.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +59,7 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
             yield number, record
 
 
-def require_records(path: str | Path, records: Sequence) -> None:
+def require_records(path: str | Path, records: Sized) -> None:
     """Raise `TraceFileError` when a file held no routing record."""
     if not records:
         raise TraceFileError(path, "no routing records")
@@ -121,7 +121,7 @@ def concatenate(traces: Sequence[RoutingTrace], *, notes: str = "") -> RoutingTr
         raise ValueError("nothing to concatenate")
     first = traces[0]
     for trace in traces[1:]:
-        if trace.top_k != first.top_k or not np.array_equal(trace.layers, first.layers):
+        if trace.top_k != first.top_k or not np.array_equal(np.asarray(trace.layers), np.asarray(first.layers)):
             raise ValueError(
                 f"traces disagree on layers or top-k: {trace.source} has layers "
                 f"{_span(trace.layers)} top-{trace.top_k}, {first.source} {_span(first.layers)} top-{first.top_k}"

@@ -173,7 +173,7 @@ def enable_expert_cache(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    settings = {
+    settings: dict[str, object] = {
         "cache_size": cache_size,
         "policy": policy,
         "budget": budget,
