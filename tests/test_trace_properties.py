@@ -249,3 +249,21 @@ def test_an_npz_round_trips_and_a_mutated_one_is_the_same_trace_or_refused(trace
         loaded = load_or_refuse(path, folder)
         if loaded is not None:  # zip members carry a CRC: what loads is what was saved
             assert_same(loaded, trace)
+
+
+@SETTINGS
+@given(
+    name=st.text(alphabet="abcxyz_-.", min_size=1, max_size=8).filter(lambda text: text not in (".", "..")),
+    suffix=st.sampled_from([".jsonl", ".npz", ""]),
+    inside=st.sampled_from([None, b"", b"not a trace", b"PK\x03\x04"]),
+)
+def test_a_directory_named_like_a_file_is_refused_naming_it(name, suffix, inside):
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / f"{name}{suffix}"
+        path.mkdir()
+        if inside is not None:  # a file that is no routing trace, inside it
+            (path / "notes.txt").write_bytes(inside)
+        with pytest.raises(ValueError, match=re.escape(str(path))):
+            load_bounded(path)
+        with pytest.raises(ValueError, match=re.escape(str(path)) + ": is a directory"):
+            RoutingTrace.load(path)

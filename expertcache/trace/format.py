@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,9 +158,9 @@ class RoutingTrace:
             raise ValueError(f"{target}: the folder {target.parent} does not exist")
         meta = {"format_version": FORMAT_VERSION, "num_experts": self.num_experts}
         meta.update({name: getattr(self, name) for name in _TEXT_FIELDS})
-        handle, scratch = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+        scratch = target.with_name(f".{target.name}.{os.getpid()}.partial")  # same folder: replace is atomic
         try:
-            with os.fdopen(handle, "wb") as file:
+            with open(scratch, "wb") as file:  # created as any file is (umask), unlike mkstemp's 0600
                 np.savez_compressed(
                     file,
                     expert_ids=self.expert_ids,
@@ -172,7 +171,7 @@ class RoutingTrace:
                 )
             os.replace(scratch, target)
         except BaseException:
-            Path(scratch).unlink(missing_ok=True)
+            scratch.unlink(missing_ok=True)
             raise
         return target
 
