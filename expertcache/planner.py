@@ -206,11 +206,12 @@ def _check_arguments(
     _check_int("gpu_budget_bytes", budget, minimum=0)
     if model_layers is not None:
         _check_int("model_layers", model_layers, minimum=trace.num_layers, why=f"the trace records {trace.num_layers}")
-    if bandwidth is not None and not (
-        isinstance(bandwidth, (int, float)) and not isinstance(bandwidth, bool) and math.isfinite(bandwidth)
-        and bandwidth > 0
-    ):  # fmt: skip
+    if bandwidth is not None and not _positive_number(bandwidth):
         raise ValueError(f"bandwidth_bytes_per_second must be a positive finite number or None, got {bandwidth!r}")
+
+
+def _positive_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _check_int(name: str, value: object, *, minimum: int, why: str = "") -> None:

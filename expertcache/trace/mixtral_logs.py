@@ -58,11 +58,7 @@ def load_raw_routing_log(path: str | Path, *, num_experts: int | None = None, mo
         TraceFileError: a malformed record, or two prefill records for one (token, layer).
     """
     checker = RecordChecker(path, num_experts=num_experts)
-    records: list[_Raw] = [
-        (line, checker.index(line, record, "layer"), checker.index(line, record, "token_pos"),
-         checker.experts(line, record, "experts"))
-        for line, record in read_jsonl(path)
-    ]  # fmt: skip
+    records = [_raw_record(checker, line, record) for line, record in read_jsonl(path)]
     require_records(path, records)
     layers = [layer for _, layer, _, _ in records]
     prefill_end = next((i for i in range(1, len(layers)) if layers[i] < layers[i - 1]), len(records))
@@ -98,14 +94,18 @@ def load_raw_routing_log(path: str | Path, *, num_experts: int | None = None, mo
     )
 
 
+def _raw_record(checker: RecordChecker, line: int, record: dict) -> _Raw:
+    layer, position = checker.index(line, record, "layer"), checker.index(line, record, "token_pos")
+    return line, layer, position, checker.experts(line, record, "experts")
+
+
 def _refuse_repeats(checker: RecordChecker, prefill: list[_Raw]) -> None:
     first_line: dict[tuple[int, int], int] = {}
     for line, layer, position, _ in prefill:
         if (position, layer) in first_line:
-            raise checker.fail(
-                line, f"a second prefill record for token_pos {position} at layer {layer} "
-                f"(the first is line {first_line[(position, layer)]})"
-            )  # fmt: skip
+            first = first_line[(position, layer)]
+            message = f"a second prefill record for token_pos {position} at layer {layer} (the first is line {first})"
+            raise checker.fail(line, message)
         first_line[(position, layer)] = line
 
 

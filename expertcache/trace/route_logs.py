@@ -20,6 +20,7 @@ loader takes the place of the metadata's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,40 +44,28 @@ def load_route_log(path: str | Path, *, num_experts: int | None = None, min_dumm
     """
     lines = read_jsonl(path)
     checker, meta = _read_meta(path, next(lines, None), num_experts)
-    numbers, positions, layers, experts = [], [], [], []
-    for line, record in lines:
-        if record.get("type") != "route":
-            raise checker.fail(line, f"expected a route record, got type {record.get('type')!r:.40}")
-        numbers.append(line)
-        positions.append(checker.index(line, record, "token_idx"))
-        layers.append(checker.index(line, record, "layer"))
-        experts.append(checker.experts(line, record, "topk_ids"))
-    if not experts:
-        raise TraceFileError(path, "no route records")
-    batched = 0 in positions[1:]
-    dummies = _leading_dummies(experts, positions, batched, min_dummy_rows)
-    if dummies == len(experts):
+    rows = _Rows(checker, lines)
+    batched = 0 in rows.positions[1:]
+    dummies = _leading_dummies(rows.experts, rows.positions, batched, min_dummy_rows)
+    if dummies == len(rows.experts):
         raise TraceFileError(path, f"all {dummies} route records are one repeated row (profiling dummies)")
-    numbers, positions, layers, experts = numbers[dummies:], positions[dummies:], layers[dummies:], experts[dummies:]
-    ordered, column = columns_of(layers)
-    row_layers = [column[layer] for layer in layers]
+    rows.drop(dummies)
+    ordered, column = columns_of(rows.layers)
+    row_layers = [column[layer] for layer in rows.layers]
     if batched:
-        if positions[0] != 0:
-            raise checker.fail(numbers[0], f"token_idx restarts at 0 in this log, so the first route record must "
-                               f"have token_idx 0, got {positions[0]}")  # fmt: skip
-        tokens, starts = _batched_tokens(positions, row_layers)
+        tokens, starts = _batched_tokens(checker, rows, row_layers)
         how = (
             f"{len(starts)} forward batches from token_idx restarts; request boundaries inside a batch are not logged."
         )
     else:
-        first = min(positions)
-        tokens, starts = [position - first for position in positions], None
+        first = min(rows.positions)
+        tokens, starts = [position - first for position in rows.positions], None
         how = "No batch or request boundaries: every token is taken as its own forward pass."
     num_tokens = max(tokens) + 1
-    ids = empty_ids(path, num_tokens, len(ordered), checker.top_k or 1, len(experts))  # refuses a sparse file
+    ids = empty_ids(path, num_tokens, len(ordered), checker.top_k or 1, len(rows.experts))  # refuses a sparse file
     token_array, layer_array = np.array(tokens, dtype=np.int64), np.array(row_layers, dtype=np.int64)
-    _refuse_repeats(checker, token_array, layer_array, numbers, len(ordered))
-    ids[token_array, layer_array] = experts
+    _refuse_repeats(checker, token_array * len(ordered) + layer_array, rows.numbers)
+    ids[token_array, layer_array] = rows.experts
     return build_trace(
         path,
         expert_ids=ids,
@@ -87,6 +76,30 @@ def load_route_log(path: str | Path, *, num_experts: int | None = None, min_dumm
         source=str(path),
         notes=f"Dropped {dummies} leading identical rows (vLLM profiling/warm-up dummies). {how}",
     )
+
+
+class _Rows:
+    """The checked route records of a log, field by field, with their line numbers."""
+
+    def __init__(self, checker: RecordChecker, lines: Iterator[tuple[int, dict]]) -> None:
+        self.numbers: list[int] = []
+        self.positions: list[int] = []
+        self.layers: list[int] = []
+        self.experts: list[tuple[int, ...]] = []
+        for line, record in lines:
+            if record.get("type") != "route":
+                raise checker.fail(line, f"expected a route record, got type {record.get('type')!r:.40}")
+            self.numbers.append(line)
+            self.positions.append(checker.index(line, record, "token_idx"))
+            self.layers.append(checker.index(line, record, "layer"))
+            self.experts.append(checker.experts(line, record, "topk_ids"))
+        if not self.experts:
+            raise TraceFileError(checker.path, "no route records")
+
+    def drop(self, count: int) -> None:
+        """Forget the first ``count`` rows."""
+        for name in ("numbers", "positions", "layers", "experts"):
+            setattr(self, name, getattr(self, name)[count:])
 
 
 def _read_meta(path: str | Path, first: tuple[int, dict] | None, num_experts: int | None) -> tuple[RecordChecker, dict]:
@@ -108,20 +121,17 @@ def _read_meta(path: str | Path, first: tuple[int, dict] | None, num_experts: in
     return checker, meta
 
 
-def _refuse_repeats(
-    checker: RecordChecker, tokens: np.ndarray, row_layers: np.ndarray, numbers: list[int], num_layers: int
-) -> None:
-    cells = tokens * num_layers + row_layers
-    _, first, counts = np.unique(cells, return_index=True, return_counts=True)
-    if (counts == 1).all():
+def _refuse_repeats(checker: RecordChecker, cells: np.ndarray, numbers: list[int]) -> None:
+    """Raise at the first row whose (token, layer) cell an earlier row already filled."""
+    if np.unique(cells).size == cells.size:
         return
     seen: dict[int, int] = {}
     for index, cell in enumerate(cells.tolist()):
         if cell in seen:
+            first = numbers[seen[cell]]
             raise checker.fail(
-                numbers[index], f"a second record for the same token at layer column {cell % num_layers} "
-                f"(the first is line {numbers[seen[cell]]})"
-            )  # fmt: skip
+                numbers[index], f"a second record for the same token and layer (the first is line {first})"
+            )
         seen[cell] = index
 
 
@@ -138,17 +148,20 @@ def _leading_dummies(experts: list[tuple[int, ...]], positions: list[int], batch
     return run
 
 
-def _batched_tokens(positions: list[int], row_layers: list[int]) -> tuple[list[int], list[int]]:
+def _batched_tokens(checker: RecordChecker, rows: _Rows, row_layers: list[int]) -> tuple[list[int], list[int]]:
     """Token of every row and the first token of every forward pass.
 
     A call (one layer, one batch) starts where ``token_idx`` is 0; a forward pass starts
     with a call whose layer does not follow the previous call's.
     """
+    if rows.positions[0] != 0:
+        first = rows.positions[0]
+        raise checker.fail(rows.numbers[0], f"token_idx restarts at 0 in this log: the first must be 0, got {first}")
     tokens: list[int] = []
     forward_starts: list[int] = []
     base = width = 0
     previous_layer = None
-    for position, layer in zip(positions, row_layers, strict=True):
+    for position, layer in zip(rows.positions, row_layers, strict=True):
         if position == 0 and (previous_layer is None or layer <= previous_layer):
             base += width
             width = 0
