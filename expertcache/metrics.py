@@ -270,7 +270,10 @@ def start_metrics_server(
     collector = collector if collector is not None else CacheCollector()
     new = collector.check_new(providers)
     registry = registry if registry is not None else CollectorRegistry()
-    server, thread = start_http_server(port, addr=addr, registry=registry)  # OSError: nothing changed yet
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as error:  # a port in use: nothing is registered yet
+        raise OSError(error.errno, f"cannot serve metrics on {addr}:{port}: {error.strerror}") from None
     try:
         registry.register(collector)
     except ValueError as error:

@@ -114,8 +114,25 @@ def load_trace(path: str | Path, *, num_experts: int | None = None) -> RoutingTr
         return RoutingTrace.load(path, num_experts=num_experts)  # says why it is not one
     kind = detect_format(path)
     if kind is None:
-        raise TraceFileError(path, f"not a routing trace this project can read ({_known()})")
+        raise TraceFileError(path, f"not a routing trace this project can read: {_first_line_says(path)} ({_known()})")
     return LOADERS[kind](path, num_experts=num_experts)
+
+
+def _first_line_says(path: Path) -> str:
+    """Why ``path`` matched no format, from its suffix and first line."""
+    if path.suffix != ".jsonl":
+        return f"a suffix {path.suffix or '(none)'!r} that is neither .npz nor .jsonl"
+    with open(path, "rb") as lines:
+        line = next((raw for raw in lines if raw.strip()), b"")
+    if not line:
+        return "only blank lines"
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError) as error:
+        return f"its first line is not JSON ({type(error).__name__})"
+    if not isinstance(record, dict):
+        return "its first line is not a JSON object"
+    return f"its first record has the fields {sorted(record)[:8]}"
 
 
 def _load_folder(folder: Path, num_experts: int | None) -> RoutingTrace:
