@@ -7,6 +7,11 @@ An engine adopts the cache's flags in two lines::
 
     add_cache_arguments(parser)                                        # --moe-* flags
     handle = enable_expert_cache(model, cache_config_from_args(args))  # None: cache off
+
+Errors are one line on stderr and exit status 2, never a traceback: a malformed flag is
+refused by the parser (`CommandLineParser`), and `main` turns what a command raises for
+bad input (ValueError, TypeError, OSError: a missing file, a malformed trace or manifest)
+into ``expertcache <command>: error: <message>``.
 """
 
 from __future__ import annotations
@@ -15,21 +20,53 @@ import argparse
 import importlib
 import sys
 
-from expertcache.config import BUDGETS, DEFAULT_BUDGET, MODES, ExpertCacheConfig, parse_byte_size
-from expertcache.policies import POLICIES
+from expertcache.commands.arguments import positive_int
+from expertcache.config import (
+    BUDGETS,
+    DEFAULT_BUDGET,
+    MODES,
+    RUNTIME_POLICY_NAMES,
+    ExpertCacheConfig,
+    check_mode_runs_here,
+    parse_byte_size,
+)
 
 #: Modules that provide subcommands, in the order ``--help`` lists them.
 COMMAND_MODULES = ("expertcache.commands.demo", "expertcache.commands.generate", "expertcache.commands.plan")
+
+#: What a command raises for bad input; anything else is a bug and keeps its traceback.
+EXPECTED_ERRORS = (ValueError, TypeError, OSError)
+
+__all__ = [
+    "CommandLineParser",
+    "add_cache_arguments",
+    "build_parser",
+    "cache_config_from_args",
+    "describe_error",
+    "main",
+    "positive_int",
+]
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose errors are one line, ``prog: error: message``.
+
+    (The stock parser prints its usage first; ``--help`` still shows it.) Subparsers made by
+    ``add_subparsers`` are of this class too.
+    """
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add the expert-cache flags to an engine's parser, in their own group.
 
     ``--moe-expert-cache-size N`` (GPU slots per MoE layer; absent: no cache),
-    ``--moe-expert-cache-policy`` (eviction policy), ``--moe-expert-cache-budget``
-    (``per-layer`` or ``global``), ``--moe-expert-cache-mode`` (``host`` or ``device``) and
-    ``--moe-pin-budget`` (e.g. ``64GiB``). Malformed values
-    are rejected by the parser at once.
+    ``--moe-expert-cache-policy`` (eviction policy; simulation-only ones are not offered),
+    ``--moe-expert-cache-budget`` (``per-layer`` or ``global``), ``--moe-expert-cache-mode``
+    (``host`` or ``device``) and ``--moe-pin-budget`` (e.g. ``64GiB``, at most 2**53 bytes,
+    read exactly). Malformed values are rejected by the parser at once.
     """
     group = parser.add_argument_group("expert cache (serve MoE experts from host memory)")
     group.add_argument(
@@ -42,7 +79,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     )
     group.add_argument(
         "--moe-expert-cache-policy",
-        choices=sorted(POLICIES),
+        choices=RUNTIME_POLICY_NAMES,
         default="lru",
         help="eviction policy (default: lru)",
     )
@@ -75,28 +112,20 @@ def cache_config_from_args(args: argparse.Namespace) -> ExpertCacheConfig | None
     was not given (the cache is off).
 
     Raises:
-        ValueError: a combination the flags' own parsing could not reject.
+        ValueError: a combination the flags' own parsing could not reject (device mode with
+            another policy than lru), or device mode on a machine that cannot run it.
     """
     if args.moe_expert_cache_size is None:
         return None
-    return ExpertCacheConfig(
+    config = ExpertCacheConfig(
         cache_size=args.moe_expert_cache_size,
         policy=args.moe_expert_cache_policy,
         budget=args.moe_expert_cache_budget,
         pin_budget_bytes=args.moe_pin_budget,
         mode=args.moe_expert_cache_mode,
     )
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    check_mode_runs_here(config.mode)
+    return config
 
 
 def _byte_size(text: str) -> int:
@@ -106,8 +135,8 @@ def _byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CommandLineParser:
+    parser = CommandLineParser(
         prog="expertcache",
         description="Serve Mixture-of-Experts weights from host memory through a GPU slot cache.",
     )
@@ -117,9 +146,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace, newlines included, made one space."""
+    return " ".join(text.split())
+
+
+def describe_error(error: BaseException) -> str:
+    """One line saying what went wrong: ``file: reason`` for an OSError, else the message."""
+    if isinstance(error, OSError) and error.strerror:
+        where = f"{error.filename}: " if error.filename else ""
+        return one_line(f"{where}{error.strerror}")
+    return one_line(str(error)) or type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``expertcache`` with ``argv`` (default: the process's arguments).
+
+    Returns:
+        The exit status: 0 done, 1 the command's check failed (tokens differ), 2 bad input
+        (one line on stderr), 130 interrupted.
+    """
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except EXPECTED_ERRORS as error:
+        print(f"expertcache {args.command}: error: {describe_error(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"expertcache {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

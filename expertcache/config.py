@@ -4,22 +4,29 @@ One dataclass carries what the ``--moe-*`` flags say (see `expertcache.cli.add_c
 
     cache_size        slots per MoE layer (vLLM RFC's --moe-expert-cache-size); with the
                       global budget the pool has cache_size * num_moe_layers slots in all
-    policy            eviction policy name ("lru", ...)
+    policy            eviction policy name ("lru", ...; stored lower-case); simulation-only
+                      (clairvoyant) policies such as "belady" are refused
     budget            "per-layer": a private pool of cache_size slots per layer;
                       "global": one pool shared by every layer, keys (layer, expert)
     pin_budget_bytes  refuse to pin more host memory than this (None: no limit)
-    device            where the slots live (None: where the expert weights are)
+    device            where the slots live (None: where the expert weights are); "cpu" or
+                      "cuda[:N]", stored as torch spells it ("cpu:0" becomes "cpu")
     mode              "host": admission on the host, any policy (default);
                       "device": admission on the GPU (LRU), no host sync, CUDA-graph capturable
 
 Checks that need the model (cache_size against the number of experts) happen when the cache
-is enabled; everything that can be checked without it is checked here.
+is enabled; everything that can be checked without it is checked here. Whether this machine
+can run a mode (`check_mode_runs_here`) is a separate check, made by the command line
+before any model is loaded.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
 
 from expertcache.policies import POLICIES
 
@@ -28,6 +35,16 @@ BUDGETS = ("per-layer", "global")
 
 #: Where admission decisions are made (see `expertcache.cached_provider`).
 MODES = ("host", "device")
+
+#: Policies a running cache can use: every known one but the clairvoyant (simulation-only).
+RUNTIME_POLICY_NAMES = tuple(sorted(name for name, policy in POLICIES.items() if not policy.clairvoyant))
+
+#: Slot ids are int32: at most this many slots per layer.
+MAX_CACHE_SIZE = 2**31 - 1
+
+#: The largest byte size `parse_byte_size` accepts by default: 2**53 (8 PiB), the last
+#: integer a float represents exactly, so a size never changes on its way to a float.
+MAX_BYTE_SIZE = 2**53
 
 #: The default budget. Chosen from replays of the real traces in ``shared/traces``
 #: (``benchmarks/budget_replay.py``; the figures are in the README): see the README.
@@ -40,10 +57,12 @@ _UNITS = {
     "mb": 10**6,
     "gb": 10**9,
     "tb": 10**12,
+    "pb": 10**15,
     "kib": 2**10,
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
+    "pib": 2**50,
 }
 
 
@@ -63,35 +82,101 @@ class ExpertCacheConfig:
     mode: str = "host"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.cache_size, int) or isinstance(self.cache_size, bool):
-            raise TypeError(f"cache_size must be an int, got {type(self.cache_size).__name__}")
-        if self.cache_size < 1:
-            raise ValueError(f"cache_size (slots per MoE layer) must be at least 1, got {self.cache_size}")
-        if not isinstance(self.policy, str) or self.policy.lower() not in POLICIES:
-            known = ", ".join(sorted(POLICIES))
-            raise ValueError(f"unknown eviction policy {self.policy!r}; known policies: {known}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode == "device" and self.policy.lower() != "lru":
+        _check_count("cache_size", self.cache_size, "slots per MoE layer")
+        object.__setattr__(self, "policy", _runtime_policy(self.policy))
+        _check_choice("mode", self.mode, MODES)
+        if self.mode == "device" and self.policy != "lru":
             raise ValueError(f"mode 'device' implements only the lru policy, got {self.policy!r}")
-        if self.budget not in BUDGETS:
-            raise ValueError(f"budget must be one of {', '.join(BUDGETS)}, got {self.budget!r}")
+        _check_choice("budget", self.budget, BUDGETS)
         pin = self.pin_budget_bytes
-        if pin is not None and (not isinstance(pin, int) or isinstance(pin, bool) or pin < 0):
+        if pin is not None and (not isinstance(pin, int) or isinstance(pin, bool)):
+            raise TypeError(f"pin_budget_bytes must be an int (bytes) or None, got {type(pin).__name__}")
+        if pin is not None and pin < 0:
             raise ValueError(f"pin_budget_bytes must be a non-negative int or None, got {pin!r}")
+        if self.device is not None:
+            object.__setattr__(self, "device", _device_name(self.device))
 
 
-def parse_byte_size(text: str) -> int:
-    """Bytes in a size such as ``"64GiB"``, ``"500 MB"``, ``"1.5gb"`` or ``"1048576"``.
+def _check_count(name: str, value: object, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 1 <= value <= MAX_CACHE_SIZE:
+        raise ValueError(f"{name} ({what}) must be between 1 and {MAX_CACHE_SIZE}, got {value}")
 
-    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB)
-    powers of 1024.
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _runtime_policy(policy: object) -> str:
+    known = ", ".join(RUNTIME_POLICY_NAMES)
+    if not isinstance(policy, str) or policy.lower() not in POLICIES:
+        raise ValueError(f"unknown eviction policy {policy!r}; known policies: {known}")
+    name = policy.lower()
+    if POLICIES[name].clairvoyant:
+        raise ValueError(
+            f"policy {name!r} is clairvoyant, for simulation only (expertcache.sim, expertcache plan); "
+            f"a running cache can use: {known}"
+        )
+    return name
+
+
+def _device_name(device: object) -> str:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str such as 'cuda:0' or None, got {type(device).__name__}")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"not a device: {device!r} (expected 'cpu', 'cuda' or 'cuda:N')") from None
+    if parsed.type == "cpu":
+        return "cpu"
+    if parsed.type != "cuda":
+        raise ValueError(f"unsupported device {device!r}; the expert cache serves CUDA devices or the CPU")
+    return str(parsed)
+
+
+def check_mode_runs_here(mode: str, device: str | torch.device | None = None) -> None:
+    """Refuse a mode this machine cannot run, before a model is loaded.
+
+    ``"device"`` admits with Triton kernels: it needs a CUDA device, or ``TRITON_INTERPRET=1``
+    to interpret the kernels on the CPU (slowly; the tests do).
+
+    Args:
+        mode: ``"host"`` or ``"device"``.
+        device: where the slots will live (None: CUDA if present).
 
     Raises:
-        ValueError: not a size.
+        ValueError: ``mode`` is ``"device"`` and the kernels cannot run there.
     """
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    if mode != "device":
+        return
+    from expertcache.validation import check_mode_device, resolve_device
+
+    check_mode_device(resolve_device(device))
+
+
+def parse_byte_size(text: str, *, maximum: int = MAX_BYTE_SIZE) -> int:
+    """Bytes in a size such as ``"64GiB"``, ``"500 MB"``, ``"1.5gb"`` or ``"1048576"``.
+
+    Decimal units (kB, MB, GB, TB, PB) are powers of 1000, binary ones (KiB ... PiB)
+    powers of 1024. The number is read exactly (no float): a fraction of a byte is dropped.
+
+    Args:
+        text: the size.
+        maximum: the largest size accepted (default 2**53 bytes).
+
+    Raises:
+        ValueError: not a size, or above ``maximum``.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"a byte size is a str such as '64GiB', got {type(text).__name__}")
+    shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text) if len(text) <= 400 else None
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"not a byte size: {text!r} (examples: 1048576, 500MB, 64GiB)")
-    return int(float(match.group(1)) * _UNITS[unit])
+        raise ValueError(f"not a byte size: {shown} (examples: 1048576, 500MB, 64GiB)")
+    size = Fraction(match.group(1)) * _UNITS[unit]
+    if size > maximum:
+        raise ValueError(f"byte size {shown} is more than {maximum} bytes ({maximum / 2**50:g} PiB), the most accepted")
+    return int(size)

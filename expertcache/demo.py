@@ -22,9 +22,10 @@ import torch
 
 from expertcache.integrations.transformers.generation import GenerationRun, greedy_generate
 from expertcache.integrations.transformers.handle import enable_expert_cache
-from expertcache.integrations.transformers.random_models import ModelSizes, random_model
+from expertcache.integrations.transformers.random_models import FAMILIES, ModelSizes, random_model
 from expertcache.trace.format import RoutingTrace
 from expertcache.trace.recorder import RoutingRecorder
+from expertcache.validation import resolve_device
 
 #: The demo model: Qwen3-30B-A3B's routing shape (top-8 of many experts), scaled down.
 DEMO_SIZES = ModelSizes(
@@ -55,10 +56,21 @@ def run_demo(
 ) -> list[DemoRow]:
     """Generate without and with the cache, print the table and the trace check.
 
+    Args:
+        family: model family (`expertcache.integrations.transformers.random_models`).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (default: CUDA if present).
+        new_tokens: tokens to generate, at least 1.
+        prompt_tokens: prompt length, at least 1.
+        sizes: the model's sizes.
+        trace_path: keep the recorded trace in exactly this file (its folder must exist).
+
     Returns:
         The table's rows (the first is the uncached run).
+
+    Raises:
+        ValueError / TypeError: any argument out of range, checked before a model is built.
     """
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = _check_arguments(family, device, new_tokens, prompt_tokens, trace_path)
     dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
     model = random_model(family, sizes, dtype=dtype).to(target)
     if target.type == "cuda":
@@ -84,6 +96,21 @@ def run_demo(
     _check_trace(recorder, trace_path, rows[0].run)
     _print_routing_spread(recorder.trace(), prompt_tokens)
     return rows
+
+
+def _check_arguments(family, device, new_tokens, prompt_tokens, trace_path) -> torch.device:
+    """The device to run on, after checking every argument of `run_demo`."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    for name, value in (("new_tokens", new_tokens), ("prompt_tokens", prompt_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if trace_path is not None:
+        path = Path(trace_path)
+        if path.is_dir() or not path.parent.is_dir():
+            raise ValueError(f"trace_path {path}: a directory, or a folder that does not exist")
+    target = resolve_device(device)
+    return torch.device("cpu") if target.type == "cpu" else target
 
 
 def _cached_run(handle, model, prompt, new_tokens, label, baseline) -> DemoRow:
@@ -132,8 +159,7 @@ def _print_table(rows: list[DemoRow]) -> None:
 def _check_trace(recorder: RoutingRecorder, path: Path | None, baseline: GenerationRun) -> None:
     trace = recorder.trace()
     with tempfile.TemporaryDirectory() as scratch:
-        target = path or Path(scratch) / "demo_trace.npz"
-        trace.save(target)
+        target = trace.save(path or Path(scratch) / "demo_trace.npz")
         loaded = RoutingTrace.load(target)
         size = target.stat().st_size
     same = (
@@ -147,7 +173,7 @@ def _check_trace(recorder: RoutingRecorder, path: Path | None, baseline: Generat
         f"routing trace of the 'global' 50% run: {trace.num_tokens} tokens x {trace.num_layers} "
         f"layers x top-{trace.top_k}, {trace.num_forwards} forwards (expected "
         f"{expected_tokens} tokens); saved as .npz ({size} bytes"
-        f"{', ' + str(path) if path else ''}) and read back: {'identical' if same else 'DIFFERENT'}"
+        f"{', ' + str(target) if path else ''}) and read back: {'identical' if same else 'DIFFERENT'}"
     )
 
 

@@ -83,15 +83,36 @@ class Manifest:
 
     @classmethod
     def read(cls, path: str | Path) -> Manifest:
-        """Read a manifest written by `write`."""
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        if data.pop("manifest_version", None) != MANIFEST_VERSION:
-            raise ValueError(f"{path}: not an expertcache manifest (version {MANIFEST_VERSION})")
-        tensors = tuple(
-            TensorEntry(entry["name"], tuple(entry["shape"]), entry["dtype"], entry["bytes"])
-            for entry in data.pop("tensors")
-        )
-        return cls(tensors=tensors, **data)
+        """Read a manifest written by `write`.
+
+        Raises:
+            ValueError: a missing file, not UTF-8 JSON, not a version-2 manifest, or a field
+                of the wrong type (the message names the file and the field).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"{path}: {'is a directory' if path.is_dir() else 'no such file'}")
+        try:
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text") from None
+        except (ValueError, RecursionError) as error:
+            raise ValueError(f"{path}: not JSON ({error})") from None
+        if not isinstance(data, dict) or data.pop("manifest_version", None) != MANIFEST_VERSION:
+            raise ValueError(f"{path}: not an expertcache manifest (manifest_version {MANIFEST_VERSION})")
+        try:
+            tensors = tuple(
+                TensorEntry(str(entry["name"]), tuple(entry["shape"]), str(entry["dtype"]), entry["bytes"])
+                for entry in data.pop("tensors")
+            )
+            manifest = cls(tensors=tensors, **data)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"{path}: not an expertcache manifest ({type(error).__name__}: {error})") from None
+        for name in ("expert_bytes", "experts", "layers"):
+            value = getattr(manifest, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{path}: {name!r} must be a positive integer, got {value!r:.40}")
+        return manifest
 
 
 def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:

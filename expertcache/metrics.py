@@ -17,11 +17,18 @@ Usage::
     server = start_metrics_server(9400, providers={"0": layer0, "1": layer1})
     ...  # serve; curl http://127.0.0.1:9400/metrics
     server.close()
+
+Every argument is checked before anything is registered or bound; a start that fails (a
+port in use) leaves nothing registered, so starting again on a free port works, and
+``close()`` unregisters what the start registered.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
+import re
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -66,8 +73,13 @@ class TimedProvider(ExpertWeightProvider):
     """
 
     def __init__(self, provider: ExpertWeightProvider, *, buckets: tuple[float, ...] = PREPARE_BUCKETS) -> None:
+        if not hasattr(provider, "prepare") or not hasattr(provider, "stats"):
+            raise TypeError(f"TimedProvider wraps a provider with prepare() and stats, got {type(provider).__name__}")
+        bounds = tuple(buckets)
+        if not bounds or not all(_positive_finite(bound) for bound in bounds) or list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"buckets must be increasing positive finite seconds, got {bounds!r:.80}")
         self.provider = provider
-        self.buckets = tuple(float(bound) for bound in buckets)
+        self.buckets = tuple(float(bound) for bound in bounds)
         self._counts = [0] * (len(self.buckets) + 1)  # the last bucket is +Inf
         self._sum = 0.0
 
@@ -102,18 +114,55 @@ class CacheCollector(Collector):
     """
 
     def __init__(self, providers: Mapping[str, HasStats] | None = None, *, namespace: str = "expertcache") -> None:
+        if not isinstance(namespace, str) or not _METRIC_NAME.fullmatch(namespace):
+            raise ValueError(
+                f"namespace must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), got {namespace!r}"
+            )
         self.namespace = namespace
         self._providers: dict[str, HasStats] = {}
         self._frozen: dict[str, CacheStats] | None = None
+        self._pause_depth = 0
         self._lock = threading.Lock()  # a read in flight ends before paused() returns
-        for layer, provider in (providers or {}).items():
+        for layer, provider in self.check_new(providers).items():
             self.track(layer, provider)
 
+    def check_new(self, providers: Mapping[str, HasStats] | None) -> dict[str, HasStats]:
+        """``providers`` keyed by label, after checking `track` would take every one.
+
+        Raises:
+            TypeError: not a mapping, or a provider without ``stats``. ValueError: a label
+                already tracked, or two that read the same as strings.
+        """
+        if providers is None:
+            return {}
+        if not isinstance(providers, Mapping):
+            raise TypeError(f"providers must be a mapping {{layer label: provider}}, got {type(providers).__name__}")
+        checked: dict[str, HasStats] = {}
+        for layer, provider in providers.items():
+            label = self._check_label(layer, provider)
+            if label in checked:
+                raise ValueError(f"two providers are labelled layer {label!r}")
+            checked[label] = provider
+        return checked
+
     def track(self, layer: str, provider: HasStats) -> None:
-        """Expose ``provider`` (anything with a ``stats`` `CacheStats`) under ``layer``."""
+        """Expose ``provider`` (anything with a ``stats`` `CacheStats`) under ``layer``.
+
+        Raises:
+            TypeError: ``provider`` has no ``stats``. ValueError: ``layer`` is already tracked.
+        """
+        label = self._check_label(layer, provider)
+        with self._lock:
+            self._providers[label] = provider
+
+    def _check_label(self, layer: object, provider: object) -> str:
+        if not isinstance(layer, (str, int)) or isinstance(layer, bool):
+            raise TypeError(f"a layer label is a str or an int, got {type(layer).__name__}")
         if not hasattr(provider, "stats"):
             raise TypeError(f"provider for layer {layer!r} has no stats to expose")
-        self._providers[str(layer)] = provider
+        if str(layer) in self._providers:
+            raise ValueError(f"layer {str(layer)!r} is already tracked")
+        return str(layer)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -121,22 +170,33 @@ class CacheCollector(Collector):
 
         Wrap CUDA graph capture in it: a device-driven cache's ``stats`` reads device
         counters (a device-to-host copy), which a scrape thread must not issue while
-        another thread captures under torch's default (global) capture mode.
+        another thread captures under torch's default (global) capture mode. Pauses nest:
+        the values stay frozen until the outermost one exits.
         """
         with self._lock:
-            self._frozen = self._read()
+            if self._pause_depth == 0:
+                self._frozen = self._read()
+            self._pause_depth += 1
         try:
             yield
         finally:
             with self._lock:
-                self._frozen = None
+                self._pause_depth -= 1
+                if self._pause_depth == 0:
+                    self._frozen = None
 
     def _read(self) -> dict[str, CacheStats]:
         return {layer: provider.stats for layer, provider in self._providers.items()}
 
+    @property
+    def is_paused(self) -> bool:
+        """Whether scrapes serve the values frozen by `paused`."""
+        return self._pause_depth > 0
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             snapshot = self._frozen if self._frozen is not None else self._read()
+            providers = dict(self._providers)
         for name, field, documentation in _COUNTERS:
             family = CounterMetricFamily(f"{self.namespace}_{name}", documentation, labels=["layer"])
             for layer, stats in snapshot.items():
@@ -147,7 +207,7 @@ class CacheCollector(Collector):
             "Host wall time of prepare() (providers wrapped in TimedProvider).",
             labels=["layer"],
         )
-        for layer, provider in self._providers.items():
+        for layer, provider in providers.items():
             if isinstance(provider, TimedProvider):
                 buckets, total = provider.prepare_seconds()
                 timing.add_metric([layer], buckets, total)
@@ -164,12 +224,18 @@ class MetricsServer:
     port: int
     _server: object
     _thread: object
+    _closed: bool = False
 
     def close(self) -> None:
-        """Stop serving and free the port."""
-        self._server.shutdown()  # type: ignore[attr-defined]
-        self._server.server_close()  # type: ignore[attr-defined]
-        self._thread.join(timeout=5)  # type: ignore[attr-defined]
+        """Stop serving, free the port and unregister the collector (a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        _stop(self._server, self._thread)
+        try:
+            self.registry.unregister(self.collector)
+        except KeyError:  # the caller unregistered it already
+            pass
 
 
 def start_metrics_server(
@@ -183,16 +249,65 @@ def start_metrics_server(
     """Serve the caches' metrics over HTTP on ``addr:port`` (port 0: any free port).
 
     Args:
-        port: TCP port; 0 picks a free one (read it back from ``MetricsServer.port``).
+        port: TCP port, an int in 0..65535; 0 picks a free one (read it back from
+            ``MetricsServer.port``).
         addr: address to bind; loopback by default, so nothing is exposed by accident.
         providers: ``{layer label: provider}`` to track (or pass ``collector``).
         collector: an existing `CacheCollector` (providers can be added later).
         registry: the registry to serve (default: a fresh one holding only the collector).
+
+    Raises:
+        TypeError / ValueError: a bad port, address, collector, registry or provider,
+            before anything is bound or registered.
+        OSError: the address cannot be bound (a port in use); nothing stays registered.
     """
+    _check_port(port)
+    _check_addr(addr, port)
+    if collector is not None and not isinstance(collector, CacheCollector):
+        raise TypeError(f"collector must be a CacheCollector, got {type(collector).__name__}")
+    if registry is not None and not isinstance(registry, CollectorRegistry):
+        raise TypeError(f"registry must be a prometheus_client CollectorRegistry, got {type(registry).__name__}")
     collector = collector if collector is not None else CacheCollector()
-    for layer, provider in (providers or {}).items():
-        collector.track(layer, provider)
+    new = collector.check_new(providers)
     registry = registry if registry is not None else CollectorRegistry()
-    registry.register(collector)
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as error:  # a port in use: nothing is registered yet
+        raise OSError(error.errno, f"cannot serve metrics on {addr}:{port}: {error.strerror}") from None
+    try:
+        registry.register(collector)
+    except ValueError as error:
+        _stop(server, thread)
+        raise ValueError(f"the registry already holds this collector or metrics of the same names ({error})") from None
+    for layer, provider in new.items():
+        collector.track(layer, provider)
     return MetricsServer(collector, registry, addr, server.server_port, server, thread)
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def _positive_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_port(port: object) -> None:
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise TypeError(f"port must be an int in 0..65535, got {type(port).__name__} {port!r:.40}")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535 (0: any free port), got {port}")
+
+
+def _check_addr(addr: object, port: int) -> None:
+    if not isinstance(addr, str) or not addr.strip():
+        raise TypeError(f"addr must be a host name or IP address (str), got {addr!r:.40}")
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        raise ValueError(f"addr {addr!r} is not an address this machine can resolve ({error})") from None
+
+
+def _stop(server: object, thread: object) -> None:
+    server.shutdown()  # type: ignore[attr-defined]
+    server.server_close()  # type: ignore[attr-defined]
+    thread.join(timeout=5)  # type: ignore[attr-defined]

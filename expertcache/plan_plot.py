@@ -9,8 +9,17 @@ from expertcache.planner import Plan
 _BOUNDS = {"belady": {"color": "black", "linestyle": "--", "linewidth": 2.0}}
 
 
-def plot_plan(plan: Plan, path: str | Path, *, title: str = "") -> None:
-    """Draw the per-layer and global panels of ``plan`` and save them to ``path`` (PNG)."""
+def plot_plan(plan: Plan, path: str | Path, *, title: str = "") -> Path:
+    """Draw the per-layer and global panels of ``plan`` and save them to ``path`` (PNG).
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: ``path`` does not end in ``.png``, is a directory, or is in a folder
+            that does not exist (checked before anything is drawn).
+    """
+    path = check_png_path(path)
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -36,5 +45,22 @@ def plot_plan(plan: Plan, path: str | Path, *, title: str = "") -> None:
     if title:
         figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, format="png")
     plt.close(figure)
+    return path
+
+
+def check_png_path(path: str | Path) -> Path:
+    """``path`` as a `Path` that a PNG can be written to.
+
+    Raises:
+        ValueError: not ``*.png``, a directory, or its folder does not exist.
+    """
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"{path}: the plot is a PNG; give a file name ending in .png")
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory; give a file name ending in .png")
+    if not path.parent.is_dir():
+        raise ValueError(f"{path}: the folder {path.parent} does not exist")
+    return path

@@ -13,6 +13,7 @@ the model has more (the traced layers are then assumed representative).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -99,6 +100,8 @@ def best_policy(rows: Sequence[PlanRow], *, min_gain: float = 0.005) -> str:
     LRU costs least on the critical path, so a policy must win by a margin to replace it.
     """
     runtime = [row for row in rows if row.policy in RUNTIME_POLICIES]
+    if not runtime:
+        raise ValueError("best_policy needs at least one row of a runtime policy")
     best = max(runtime, key=lambda row: row.hit_rate)
     lru = next((row for row in runtime if row.policy == "lru"), None)
     if lru is not None and best.hit_rate - lru.hit_rate < min_gain:
@@ -130,9 +133,17 @@ def plan(
         fractions: per-layer sizes to score, as fractions of a layer's experts.
         min_gain: hit-rate margin a policy needs over LRU to be recommended.
         progress: ``progress(total) -> tick`` to report each finished replay.
+
+    Raises:
+        TypeError / ValueError: any argument of the wrong type or out of range (an empty
+            trace, an unknown or repeated policy, a fraction outside (0, 1], fewer model
+            layers than the trace records, a bandwidth that is not a positive number).
     """
-    if expert_bytes < 1:
-        raise ValueError(f"expert_bytes must be positive, got {expert_bytes}")
+    policies = check_policies(policies)
+    _check_arguments(trace, expert_bytes, gpu_budget_bytes, bandwidth_bytes_per_second, model_layers)
+    fractions = _check_fractions(fractions)
+    if not (isinstance(min_gain, (int, float)) and math.isfinite(min_gain) and min_gain >= 0):
+        raise ValueError(f"min_gain must be a non-negative number, got {min_gain!r}")
     layers = model_layers or trace.num_layers
     experts = trace.num_experts
     budget_slots = gpu_budget_bytes // expert_bytes
@@ -157,6 +168,65 @@ def plan(
         global_policy=_best_at(rows, "global", layer_budget * trace.num_layers, min_gain),
         budget_fraction=layer_budget / experts,
     )
+
+
+def check_policies(policies: Sequence[str]) -> tuple[str, ...]:
+    """``policies`` as distinct lower-case runtime policy names (at least one).
+
+    Raises:
+        TypeError: not a sequence of str. ValueError: empty, unknown, repeated, or a bound
+            (``belady``, ``unbounded``: always scored beside them).
+    """
+    if isinstance(policies, str) or not all(isinstance(name, str) for name in policies):
+        raise TypeError(f"policies must be a sequence of policy names, got {policies!r:.60}")
+    names = tuple(name.strip().lower() for name in policies)
+    known = ", ".join(RUNTIME_POLICIES)
+    if not names:
+        raise ValueError(f"no policy to score; runtime policies: {known}")
+    for name in names:
+        if name in ("belady", "unbounded"):
+            raise ValueError(f"{name!r} is a bound, always scored beside the policies; list runtime policies: {known}")
+        if name not in RUNTIME_POLICIES:
+            raise ValueError(f"unknown runtime policy {name!r}; runtime policies: {known}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"policies repeat {', '.join(repeated)}")
+    return names
+
+
+def _check_arguments(
+    trace: RoutingTrace, expert_bytes: int, budget: int, bandwidth: float | None, model_layers: int | None
+) -> None:
+    if not isinstance(trace, RoutingTrace):
+        raise TypeError(f"trace must be a RoutingTrace, got {type(trace).__name__}")
+    if trace.num_records == 0:
+        source = f" ({trace.source})" if trace.source else ""
+        raise ValueError(f"the trace{source} has no routing records ({trace.num_tokens} tokens): nothing to plan on")
+    _check_int("expert_bytes", expert_bytes, minimum=1)
+    _check_int("gpu_budget_bytes", budget, minimum=0)
+    if model_layers is not None:
+        _check_int("model_layers", model_layers, minimum=trace.num_layers, why=f"the trace records {trace.num_layers}")
+    if bandwidth is not None and not _positive_number(bandwidth):
+        raise ValueError(f"bandwidth_bytes_per_second must be a positive finite number or None, got {bandwidth!r}")
+
+
+def _positive_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_int(name: str, value: object, *, minimum: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}{' (' + why + ')' if why else ''}, got {value}")
+
+
+def _check_fractions(fractions: Sequence[float]) -> tuple[float, ...]:
+    values = tuple(fractions)
+    for fraction in values:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"fractions must be numbers in (0, 1], got {fraction!r}")
+    return values
 
 
 def _best_at(rows: list[PlanRow], scope: str, slots: int, min_gain: float) -> str:

@@ -46,8 +46,9 @@ def check_mode_device(device: torch.device) -> None:
 
     if device.type == "cpu" and not interpreted():
         raise ValueError(
-            "device mode runs Triton kernels: give it a CUDA device, or set TRITON_INTERPRET=1 before "
-            "importing expertcache to run them on the CPU; host mode (mode='host') works anywhere"
+            "mode 'device' runs its admission as Triton kernels on a CUDA GPU, not on the CPU; use mode "
+            "'host' (it works anywhere), or set TRITON_INTERPRET=1 before importing expertcache to interpret "
+            "the kernels on the CPU (slowly; the tests do)"
         )
 
 

@@ -84,7 +84,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_generate_on_a_saved_checkpoint(checkpoint, capsys, tmp_path):
-    trace_file = tmp_path / "trace.npz"
+    trace_file = tmp_path / "trace"  # no suffix: written and printed exactly as given
     status = main(
         ["generate", "--model", str(checkpoint), "--moe-expert-cache-size", "4",
          "--prompt", "5 6 7 8", "--max-new-tokens", "8", "--device", "cpu", "--compare",
@@ -95,7 +95,8 @@ def test_generate_on_a_saved_checkpoint(checkpoint, capsys, tmp_path):
     assert "2 MoE layers x 8 experts, top-2" in out
     assert "8 new tokens" in out and "hit rate" in out
     assert "without the cache: identical tokens" in out
-    assert "routing trace: 11 tokens x 2 layers" in out
+    assert f"routing trace: 11 tokens x 2 layers -> {trace_file}\n" in out
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["trace"]
     trace = RoutingTrace.load(trace_file)
     assert trace.request_starts.tolist() == [0] and trace.forward_starts.tolist() == [0, *range(4, 11)]
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from expertcache.cli import positive_int
+from expertcache.commands.arguments import device_name, output_file, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,20 +15,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "weights, no download), generate greedily without the cache and with it at several "
         "sizes, and compare.",
     )
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument(
         "--family",
         default="qwen3_moe",
+        # random_models.FAMILIES, not imported here: that would load transformers to parse flags
         choices=("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"),
         help="model family to build (default: qwen3_moe)",
     )
-    parser.add_argument("--new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
+    parser.add_argument(
+        "--new-tokens", type=positive_int, default=32, help="tokens to generate (default 32, at least 1)"
+    )
     parser.add_argument(
         "--save-trace",
-        type=Path,
+        type=output_file(),
         default=None,
         metavar="FILE.npz",
-        help="keep the recorded routing trace here (default: a temporary file)",
+        help="keep the recorded routing trace in exactly this file (default: a temporary file)",
     )
     parser.set_defaults(func=run)
 

@@ -1,19 +1,24 @@
 """``expertcache generate``: greedy generation from a local checkpoint with the expert cache.
 
 Everything that can be wrong with the request is checked before any weight is read: the
-directory, the model's MoE layers (on a weightless meta-device copy of the architecture)
-and the cache size against them, the prompt against the tokenizer or the vocabulary.
+flags (a device that exists, a mode this machine runs, a folder for ``--save-trace``), the
+directory (``config.json`` that is JSON, weight files), the model's MoE layers (on a
+weightless meta-device copy of the architecture) and the cache size against them, the
+prompt against the tokenizer or the vocabulary. Each failure is one line, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
-from expertcache.cli import add_cache_arguments, cache_config_from_args, positive_int
+from expertcache.cli import add_cache_arguments, cache_config_from_args
+from expertcache.commands.arguments import device_name, output_file, positive_int
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,33 +35,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="text (with a tokenizer in DIR) or token ids such as '1 2 3' (without one)",
     )
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument(
         "--compare",
         action="store_true",
         help="then generate again with every expert resident and check the tokens match",
     )
-    parser.add_argument("--save-trace", type=Path, default=None, metavar="FILE.npz")
+    parser.add_argument(
+        "--save-trace",
+        type=output_file(),
+        default=None,
+        metavar="FILE.npz",
+        help="write the recorded routing trace to exactly this file (an .npz archive)",
+    )
     add_cache_arguments(parser)
     parser.set_defaults(func=lambda args: run(args, parser))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    config = cache_config_from_args(args)
+    try:
+        config = cache_config_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
     if config is None:
         parser.error("generate needs --moe-expert-cache-size N (GPU slots per MoE layer)")
+    if args.prompt is not None and not args.prompt.strip():
+        parser.error("--prompt is empty")
     _check_directory(args.model, parser)
     import torch
     from transformers import AutoConfig
 
+    from expertcache.config import check_mode_runs_here
     from expertcache.integrations.transformers import check_cache_size
     from expertcache.validation import resolve_device
 
     try:
         device = resolve_device(args.device)
+        check_mode_runs_here(config.mode, device)
         model_config = AutoConfig.from_pretrained(args.model)
         blocks = check_cache_size(_skeleton(model_config), config.cache_size)
-    except ValueError as error:  # unsupported family, no MoE layers, size out of range
+    except (ValueError, OSError) as error:  # unknown model type, no MoE layers, size out of range
         parser.error(f"{args.model}: {error}")
     tokenizer = _tokenizer(args.model)
     input_ids = _prompt_ids(args.prompt, tokenizer, model_config, parser).to(device)
@@ -71,6 +89,14 @@ def _check_directory(path: Path, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--model {path}: not a directory")
     if not (path / "config.json").is_file():
         parser.error(f"--model {path}: not a transformers checkpoint directory (no config.json)")
+    try:
+        config = json.loads((path / "config.json").read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON
+        parser.error(f"--model {path}: config.json is not JSON ({error})")
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        parser.error(f"--model {path}: config.json is not a transformers config (no 'model_type')")
+    if not any(any(path.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+        parser.error(f"--model {path}: no weights (*.safetensors or pytorch_model*.bin) beside config.json")
 
 
 def _skeleton(model_config):
@@ -87,14 +113,20 @@ def _tokenizer(path: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # the tokenizers library raises plain Exception for a corrupt file
+        raise ValueError(f"--model {path}: cannot load the tokenizer ({type(error).__name__}: {error})") from None
 
 
 def _prompt_ids(prompt, tokenizer, model_config, parser):
     import torch
 
     if tokenizer is not None:
-        return tokenizer(prompt or "Hello", return_tensors="pt").input_ids
+        ids = tokenizer(prompt if prompt is not None else "Hello", return_tensors="pt").input_ids
+        if ids.numel() == 0:
+            parser.error(f"--prompt {prompt!r} gives no tokens")
+        return ids
     text = prompt if prompt is not None else "1 2 3 4"
     try:
         ids = [int(part) for part in text.replace(",", " ").split()]
@@ -109,13 +141,17 @@ def _prompt_ids(prompt, tokenizer, model_config, parser):
 
 
 def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     from expertcache.integrations.transformers import enable_expert_cache
     from expertcache.integrations.transformers.generation import greedy_generate
     from expertcache.trace import RoutingRecorder
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as error:  # a corrupt checkpoint
+        raise ValueError(f"--model {args.model}: cannot load the weights ({type(error).__name__}: {error})") from None
     recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
     handle = enable_expert_cache(model, config, recorder=recorder)
     assert handle is not None  # config is not None
@@ -143,9 +179,9 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     )
     if recorder is not None:
         trace = recorder.trace()
-        trace.save(args.save_trace)
+        written = trace.save(args.save_trace)
         shape = f"{trace.num_tokens} tokens x {trace.num_layers} layers"
-        print(f"routing trace: {shape} -> {args.save_trace}")
+        print(f"routing trace: {shape} -> {written}")
     if not args.compare:
         return 0
     handle.disable()

@@ -16,7 +16,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from expertcache.planner import RUNTIME_POLICIES, Plan, PlanRow
+from expertcache.commands.arguments import MAX_COUNT, output_file, positive_number, whole_number
+from expertcache.planner import RUNTIME_POLICIES, Plan, PlanRow, check_policies
+
+#: The largest --gpu-budget (GB) and --bandwidth (GB/s) taken: an exabyte, an exabyte a second.
+MAX_GIGABYTES = 1e9
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,48 +29,51 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--trace", required=True, help="routing trace (.npz, .jsonl or folder)")
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--expert-bytes", type=_positive_int, help="bytes of one expert (record)")
+    size.add_argument("--expert-bytes", type=whole_number(1, 2**53), help="bytes of one expert (record)")
     size.add_argument("--manifest", help="manifest JSON (provider.manifest().write(FILE))")
-    parser.add_argument("--gpu-budget", type=_positive_float, required=True, help="GB for slots")
-    parser.add_argument("--bandwidth", type=_positive_float, help="host->GPU copy GB/s")
-    parser.add_argument("--layers", type=_positive_int, help="MoE layers of the model")
-    parser.add_argument("--num-experts", type=_positive_int, help="experts per layer (override)")
-    parser.add_argument("--policies", default=",".join(RUNTIME_POLICIES), help="comma-separated policy names")
-    parser.add_argument("--plot", help="write hit rate vs cache size to this PNG")
-    parser.add_argument("--csv", help="write every scored row to this CSV")
+    gigabytes = positive_number(MAX_GIGABYTES)
+    parser.add_argument("--gpu-budget", type=gigabytes, required=True, help="GB for slots")
+    parser.add_argument("--bandwidth", type=gigabytes, help="host->GPU copy GB/s")
+    parser.add_argument("--layers", type=whole_number(1, MAX_COUNT), help="MoE layers of the model")
+    parser.add_argument("--num-experts", type=whole_number(1, MAX_COUNT), help="experts per layer (override)")
+    parser.add_argument(
+        "--policies",
+        type=_policy_list,
+        default=RUNTIME_POLICIES,
+        help=f"comma-separated runtime policy names (default: {','.join(RUNTIME_POLICIES)})",
+    )
+    parser.add_argument("--plot", type=output_file(".png"), help="write hit rate vs cache size to this PNG")
+    parser.add_argument("--csv", type=output_file(), help="write every scored row to this CSV")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+def _policy_list(text: str) -> tuple[str, ...]:
+    try:
+        return check_policies([name for name in text.split(",") if name.strip()])
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def run(args: argparse.Namespace) -> int:
-    from expertcache.manifest import Manifest
     from expertcache.planner import plan
     from expertcache.trace import load_trace
 
+    manifest = read_manifest_sizes(args.manifest) if args.manifest else None
     trace = load_trace(args.trace, num_experts=args.num_experts)
+    if trace.num_records == 0:
+        raise ValueError(
+            f"{args.trace}: the trace has no routing records ({trace.num_tokens} tokens): nothing to plan on"
+        )
+    if args.layers is not None and args.layers < trace.num_layers:
+        raise ValueError(f"--layers {args.layers} is fewer than the {trace.num_layers} MoE layers the trace records")
     expert_bytes = args.expert_bytes
-    if args.manifest:
-        manifest = Manifest.read(args.manifest)
-        expert_bytes = manifest.expert_bytes
-        per_layer = manifest.experts // manifest.layers
+    if manifest is not None:
+        expert_bytes, per_layer = manifest
         if per_layer != trace.num_experts:
             note = f"the manifest has {per_layer} experts per layer, the trace {trace.num_experts}"
             print(f"note: {note}")
-    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    policies = list(args.policies)
     result = plan(
         trace,
         expert_bytes=expert_bytes,
@@ -88,6 +95,26 @@ def run(args: argparse.Namespace) -> int:
         plot_plan(result, args.plot, title=f"{name}: hit rate vs cache size")
         print(f"plot: {args.plot}")
     return 0
+
+
+def read_manifest_sizes(path: str | Path) -> tuple[int, int]:
+    """``(expert_bytes, experts per layer)`` from a manifest written by ``Manifest.write``.
+
+    Raises:
+        ValueError: anything `Manifest.read` refuses, or experts that do not split evenly
+            over the layers (the message names the file).
+    """
+    from expertcache.manifest import Manifest
+
+    try:
+        manifest = Manifest.read(path)
+    except ValueError as error:
+        raise ValueError(f"--manifest {error}") from None
+    if manifest.experts % manifest.layers:
+        raise ValueError(
+            f"--manifest {path}: {manifest.experts} experts do not split evenly over {manifest.layers} layers"
+        )
+    return manifest.expert_bytes, manifest.experts // manifest.layers
 
 
 def _progress_bar(total: int) -> Callable[[], None]:
@@ -163,7 +190,7 @@ def recommendation(result: Plan, num_experts: int, layers: int) -> str:
     )
 
 
-def _write_csv(result: Plan, path: str) -> None:
+def _write_csv(result: Plan, path: str | Path) -> None:
     fields = [field.name for field in dataclasses.fields(PlanRow)]
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)

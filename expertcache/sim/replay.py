@@ -6,12 +6,17 @@ no key of the current call is ever evicted. A call with more distinct keys than 
 capacity cannot be admitted at once; an engine would run it in parts, and so does
 ``replay`` by default (``oversize="split"``: consecutive chunks of ``capacity`` distinct
 keys, each admitted as its own call, counted in ``split_calls``).
+
+A cache that can hold every distinct key the calls use never evicts, whatever its policy, so
+a named policy runs on a table of ``min(capacity, distinct keys)`` slots: the memory a
+replay takes follows the calls, not the capacity asked for (``capacity=2**40`` is fine).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Literal
 
 from expertcache.errors import CacheCapacityError
@@ -78,10 +83,20 @@ def replay(
 
     Returns:
         `ReplayResult` with hits, misses, evictions.
+
+    Raises:
+        ValueError: capacity not a positive int, an unknown ``oversize``, a
+            ``forward_starts`` entry that is not a non-negative int, a policy instance built for
+            another capacity; TypeError: a call that is not a sequence of hashable keys.
+        CacheCapacityError: an oversize call with ``oversize="raise"``.
     """
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    if isinstance(policy, EvictionPolicy) and policy.capacity != capacity:
+        raise ValueError(f"the policy instance was built for capacity {policy.capacity}, the replay has {capacity}")
     admitted, starts, split = _normalize(calls, capacity, forward_starts, oversize)
+    if not isinstance(policy, EvictionPolicy):
+        capacity = min(capacity, max(1, len(set().union(*admitted))))  # no eviction beyond this
     chosen = make_policy(policy, capacity=capacity)
     if chosen.clairvoyant:
         chosen.set_future(admitted)
@@ -106,12 +121,13 @@ def _normalize(
     """Distinct keys of each call (split to ``capacity``) and whether each starts a pass."""
     if oversize not in ("split", "raise"):
         raise ValueError(f"oversize must be 'split' or 'raise', got {oversize!r}")
-    starts_set = None if forward_starts is None else set(forward_starts)
+    calls = list(calls)
+    starts_set = None if forward_starts is None else _call_indices(forward_starts)
     admitted: list[tuple[Hashable, ...]] = []
     starts: list[bool] = []
     split = 0
     for index, call in enumerate(calls):
-        unique = tuple(dict.fromkeys(call))
+        unique = _distinct_keys(call, index)
         starts_forward = starts_set is None or index in starts_set
         if len(unique) > capacity:
             if oversize == "raise":
@@ -121,3 +137,22 @@ def _normalize(
             admitted.append(unique[begin : begin + capacity])
             starts.append(starts_forward and begin == 0)
     return admitted, starts, split
+
+
+def _distinct_keys(call: object, index: int) -> tuple[Hashable, ...]:
+    if isinstance(call, (str, bytes)) or not isinstance(call, Iterable):
+        raise TypeError(f"call {index} must be a sequence of keys, got {type(call).__name__}")
+    try:
+        return tuple(dict.fromkeys(call))
+    except TypeError:
+        raise TypeError(f"call {index} holds a key that is not hashable") from None
+
+
+def _call_indices(forward_starts: Collection[int]) -> set[int]:
+    """The starts as a set (an index past the last call starts a pass that never comes)."""
+    indices: set[int] = set()
+    for start in forward_starts:
+        if isinstance(start, bool) or not isinstance(start, Integral) or start < 0:
+            raise ValueError(f"forward_starts must be non-negative call indices, got {start!r}")
+        indices.add(int(start))
+    return indices

@@ -51,14 +51,24 @@ def trace_calls(trace: RoutingTrace, *, scope: Scope) -> list[TraceCalls]:
     """The call streams of ``trace``: one per layer (``scope="layer"``) or one in all.
 
     Args:
-        trace: ``expert_ids`` ``[N, L, K]`` int16 (``-1`` = no record).
+        trace: ``expert_ids`` ``[N, L, K]`` int16/int32 (``-1`` = no record).
         scope: ``"layer"`` (a pool per layer) or ``"global"`` (one pool, all layers).
+
+    Raises:
+        TypeError: not a `RoutingTrace`. ValueError: an unknown scope, or a trace without
+            a single record (nothing to replay).
     """
+    if not isinstance(trace, RoutingTrace):
+        raise TypeError(f"trace must be a RoutingTrace, got {type(trace).__name__}")
+    if scope not in ("layer", "global"):
+        raise ValueError(f"scope must be 'layer' or 'global', got {scope!r}")
+    if trace.num_records == 0:
+        source = f" ({trace.source})" if trace.source else ""
+        raise ValueError(f"the trace{source} has no routing records ({trace.num_tokens} tokens): nothing to replay")
     if scope == "layer":
         return [_stream(trace, (column,)) for column in range(trace.num_layers)]
     if scope == "global":
         return [_stream(trace, tuple(range(trace.num_layers)))]
-    raise ValueError(f"scope must be 'layer' or 'global', got {scope!r}")
 
 
 def _stream(trace: RoutingTrace, columns: Sequence[int]) -> TraceCalls:

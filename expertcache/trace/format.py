@@ -2,26 +2,44 @@
 
 A trace is the router's choice for every token at every MoE layer::
 
-    expert_ids      [N, L, K] int16   global expert id; -1 = no record (dropped or not logged)
+    expert_ids      [N, L, K] int16   global expert id; -1 = no record (dropped or not logged);
+                              (int32) int32 only when an id does not fit int16
     forward_starts  [F]       int64   token index where each forward pass (fused-MoE call) starts
     request_starts  [R]       int64   token index where each request starts (may be empty: unknown)
     layers          [L]       int64   model layer index of each column
 
 plus metadata (model, num_experts, top_k, source, notes). Tokens are in execution order.
-Stored as ``.npz`` with no pickled objects (``np.load(..., allow_pickle=False)`` reads it):
-metadata goes in as a JSON string.
+Stored as ``.npz`` with no pickled objects: metadata goes in as a JSON string. ``save``
+writes exactly the path it is given (no ``.npz`` is appended) and returns it; ``load``
+reads any file ``save`` wrote, whatever its name, and checks everything it reads (see
+`expertcache.trace.npz_file`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from expertcache.trace.arrays import (
+    MAX_EXPERTS,
+    expert_id_array,
+    index_array,
+    strictly_increasing,
+    whole_number,
+)
+from expertcache.trace.errors import TraceFileError
+from expertcache.trace.npz_file import read_npz
+
 FORMAT_VERSION = 1
+
+_MEMBERS = ("expert_ids", "forward_starts", "request_starts", "layers", "meta")
+_TEXT_FIELDS = ("model", "source", "notes")
 
 
 @dataclass
@@ -29,15 +47,20 @@ class RoutingTrace:
     """Expert routing of ``N`` tokens through ``L`` MoE layers, top-``K``.
 
     Attributes:
-        expert_ids: ``[N, L, K]`` int16, -1 where no record exists.
+        expert_ids: ``[N, L, K]`` int16 (int32 if an id exceeds 32767), -1 where no record
+            exists. Any integer array is accepted and narrowed; floats and bools are refused.
         forward_starts: ``[F]`` int64 increasing token indices, first 0: token ``i`` belongs
             to forward pass ``searchsorted(forward_starts, i, "right") - 1``.
-        request_starts: ``[R]`` int64 token indices where requests start (empty: unknown).
-        layers: ``[L]`` int64 model layer index of each column of ``expert_ids``.
-        num_experts: experts per layer ``E``.
+        request_starts: ``[R]`` int64 increasing token indices where requests start (empty:
+            unknown).
+        layers: ``[L]`` int64 distinct model layer index of each column of ``expert_ids``.
+        num_experts: experts per layer ``E`` (1 .. 2**31 - 1); every id is below it.
         model: model name.
         source: where the trace came from.
         notes: known defects and how they were handled.
+
+    Raises:
+        TypeError / ValueError: on construction, for any field of the wrong type or value.
     """
 
     expert_ids: np.ndarray
@@ -50,28 +73,37 @@ class RoutingTrace:
     notes: str = ""
 
     def __post_init__(self) -> None:
-        self.expert_ids = np.asarray(self.expert_ids, dtype=np.int16)
-        if self.expert_ids.ndim != 3:
-            raise ValueError(f"expert_ids must be [N, L, K], got shape {self.expert_ids.shape}")
-        self.forward_starts = np.asarray(self.forward_starts, dtype=np.int64)
-        self.request_starts = np.asarray(self.request_starts, dtype=np.int64)
+        self.num_experts = whole_number("num_experts", self.num_experts, minimum=1, maximum=MAX_EXPERTS)
+        self.expert_ids = expert_id_array(self.expert_ids, self.num_experts)
+        self.forward_starts = index_array("forward_starts", self.forward_starts)
+        self.request_starts = index_array("request_starts", self.request_starts)
         if self.layers is None:
             self.layers = np.arange(self.num_layers, dtype=np.int64)
-        self.layers = np.asarray(self.layers, dtype=np.int64)
+        self.layers = index_array("layers", self.layers)
+        for name in _TEXT_FIELDS:
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, got {type(getattr(self, name)).__name__}")
         self._validate()
 
     def _validate(self) -> None:
-        n = self.num_tokens
+        tokens = self.num_tokens
         starts = self.forward_starts
-        if n and (starts.size == 0 or starts[0] != 0):
+        if tokens and (starts.size == 0 or starts[0] != 0):
             raise ValueError("forward_starts must begin with 0")
-        if starts.size and (np.any(np.diff(starts) <= 0) or starts[-1] >= max(n, 1)):
-            raise ValueError("forward_starts must be strictly increasing token indices below N")
-        ids = self.expert_ids
-        if ids.size and (ids.min() < -1 or ids.max() >= self.num_experts):
-            raise ValueError(f"expert_ids must be in [-1, {self.num_experts})")
-        if self.layers is not None and self.layers.shape != (self.num_layers,):
-            raise ValueError(f"layers must have one entry per column ({self.num_layers})")
+        if not tokens and starts.size:
+            raise ValueError("forward_starts must be empty when there are no tokens")
+        if starts.size and (not strictly_increasing(starts) or starts[-1] >= tokens):
+            raise ValueError(f"forward_starts must be strictly increasing token indices below N ({tokens})")
+        requests = self.request_starts
+        if requests.size and (not strictly_increasing(requests) or requests[-1] >= tokens):
+            raise ValueError(f"request_starts must be strictly increasing token indices below N ({tokens})")
+        if tokens and self.top_k < 1:
+            raise ValueError("expert_ids must have at least one id per record (K >= 1)")
+        assert self.layers is not None
+        if self.layers.shape != (self.num_layers,):
+            raise ValueError(f"layers must have one entry per column ({self.num_layers}), got {self.layers.size}")
+        if np.unique(self.layers).size != self.layers.size:
+            raise ValueError(f"layers must be distinct, got {self.layers.tolist()}")
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +121,11 @@ class RoutingTrace:
     def num_forwards(self) -> int:
         return int(self.forward_starts.size)
 
+    @property
+    def num_records(self) -> int:
+        """(token, layer) cells that hold a record (not all -1)."""
+        return int((self.expert_ids >= 0).any(axis=2).sum())
+
     def forward_slices(self) -> Iterator[slice]:
         """Token slices of the forward passes, in order."""
         ends = np.append(self.forward_starts[1:], self.num_tokens)
@@ -104,38 +141,81 @@ class RoutingTrace:
             ids = self.expert_ids[tokens, column]
             yield ids[(ids >= 0).any(axis=1)]
 
-    def save(self, path: str | Path) -> None:
-        """Write ``.npz`` (no pickle)."""
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "num_experts": self.num_experts,
-            "model": self.model,
-            "source": self.source,
-            "notes": self.notes,
-        }
-        np.savez_compressed(
-            path,
-            expert_ids=self.expert_ids,
-            forward_starts=self.forward_starts,
-            request_starts=self.request_starts,
-            layers=np.asarray(self.layers),
-            meta=np.array(json.dumps(meta)),
-        )
+    def save(self, path: str | Path) -> Path:
+        """Write the trace as ``.npz`` (no pickle) to exactly ``path``, atomically.
+
+        Returns:
+            The path written (``path`` itself: no suffix is added).
+
+        Raises:
+            ValueError: the folder does not exist or ``path`` is a directory (nothing is
+                written); OSError: the file system refused the write.
+        """
+        target = Path(path)
+        if target.is_dir():
+            raise ValueError(f"{target}: is a directory; give a file name for the trace")
+        if not target.parent.is_dir():
+            raise ValueError(f"{target}: the folder {target.parent} does not exist")
+        meta = {"format_version": FORMAT_VERSION, "num_experts": self.num_experts}
+        meta.update({name: getattr(self, name) for name in _TEXT_FIELDS})
+        scratch = target.with_name(f".{target.name}.{os.getpid()}.partial")  # same folder: replace is atomic
+        try:
+            with open(scratch, "wb") as file:  # created as any file is (umask), unlike mkstemp's 0600
+                np.savez_compressed(
+                    file,
+                    expert_ids=self.expert_ids,
+                    forward_starts=self.forward_starts,
+                    request_starts=self.request_starts,
+                    layers=np.asarray(self.layers),
+                    meta=np.array(json.dumps(meta)),
+                )
+            os.replace(scratch, target)
+        except BaseException:
+            scratch.unlink(missing_ok=True)
+            raise
+        return target
 
     @classmethod
-    def load(cls, path: str | Path) -> RoutingTrace:
-        """Read a trace written by `save`."""
-        with np.load(path, allow_pickle=False) as data:
-            meta = json.loads(str(data["meta"]))
-            if meta.get("format_version") != FORMAT_VERSION:
-                raise ValueError(f"{path}: unsupported trace format {meta.get('format_version')}")
-            return cls(
-                expert_ids=data["expert_ids"],
-                forward_starts=data["forward_starts"],
-                request_starts=data["request_starts"],
-                layers=data["layers"],
-                num_experts=int(meta["num_experts"]),
-                model=meta["model"],
-                source=meta["source"],
-                notes=meta["notes"],
-            )
+    def load(cls, path: str | Path, *, num_experts: int | None = None) -> RoutingTrace:
+        """Read a trace written by `save`.
+
+        Args:
+            path: the file (any name).
+            num_experts: experts per layer to use instead of the file's (every id must be
+                below it).
+
+        Raises:
+            TraceFileError (a ValueError): missing, not an ``.npz``, truncated, corrupt,
+                pickled objects, wrong dtypes, inconsistent arrays or metadata, or an id
+                at or above ``num_experts``.
+        """
+        path = Path(path)
+        arrays = read_npz(path, _MEMBERS)
+        meta = _read_meta(path, arrays.pop("meta"))
+        if num_experts is not None:
+            meta["num_experts"] = num_experts
+        fields: dict[str, Any] = {**arrays, **meta}
+        try:
+            return cls(**fields)
+        except (TypeError, ValueError) as error:
+            raise TraceFileError(path, f"not a valid routing trace: {error}") from None
+
+
+def _read_meta(path: Path, array: np.ndarray) -> dict:
+    """``num_experts``, ``model``, ``source`` and ``notes`` from the ``meta`` member."""
+    if array.shape != () or array.dtype.kind != "U":
+        raise TraceFileError(path, f"member 'meta' must be one string, got {array.dtype} of shape {array.shape}")
+    try:
+        meta = json.loads(str(array[()]))
+    except (ValueError, RecursionError) as error:
+        raise TraceFileError(path, f"member 'meta' is not JSON ({error})") from None
+    if not isinstance(meta, dict):
+        raise TraceFileError(path, f"member 'meta' must be a JSON object, got {type(meta).__name__}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise TraceFileError(
+            path, f"unsupported trace format {meta.get('format_version')!r} (expected {FORMAT_VERSION})"
+        )
+    missing = [name for name in ("num_experts", *_TEXT_FIELDS) if name not in meta]
+    if missing:
+        raise TraceFileError(path, f"member 'meta' lacks {', '.join(missing)}")
+    return {name: meta[name] for name in ("num_experts", *_TEXT_FIELDS)}

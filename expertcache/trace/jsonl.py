@@ -1,40 +1,106 @@
-"""Helpers the trace loaders share: reading JSON lines and filling an ``[N, L, K]`` array."""
+"""Helpers the JSON-lines trace loaders share: reading records, sizing and filling ``[N, L, K]``.
+
+Array sizes come from what the file contains, never from an index it claims: layers become
+columns in sorted order (the `RoutingTrace.layers` keep their numbers), and an array may
+have at most `CELLS_PER_RECORD` (token, layer) cells per record in the file, so a record
+claiming ``token_pos`` 10**12 is refused instead of allocating terabytes.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 
 import numpy as np
 
+from expertcache.trace.errors import TraceFileError
 from expertcache.trace.format import RoutingTrace
+from expertcache.trace.npz_file import check_readable_file
+
+#: Most (token, layer) cells an array may have per record read: real traces are dense
+#: (a few percent of records lost); far sparser means an index is wrong.
+CELLS_PER_RECORD = 4
+
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict]:
-    """Every non-empty line of ``path`` parsed as a JSON object."""
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+def json_type(value: object) -> str:
+    """The JSON name of ``value``'s type (``null`` for None)."""
+    return "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
 
 
-def empty_ids(num_tokens: int, num_layers: int, top_k: int) -> np.ndarray:
-    """``[N, L, K]`` int16 filled with -1 (no record)."""
-    return np.full((num_tokens, num_layers, top_k), -1, dtype=np.int16)
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, record)`` for every non-blank line of ``path``, each a JSON object.
+
+    Raises:
+        TraceFileError: missing, a directory, empty, a line that is not UTF-8, not JSON, or
+            not an object.
+    """
+    path = Path(path)
+    check_readable_file(path)
+    with open(path, "rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise TraceFileError(path, f"not UTF-8 text (byte {error.start} of the line)", line=number) from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                reason = error.msg.removesuffix(" at")
+                raise TraceFileError(path, f"not JSON ({reason}, column {error.colno})", line=number) from None
+            except (ValueError, RecursionError) as error:  # a 5000-digit int, nesting too deep
+                raise TraceFileError(path, f"not JSON that can be read ({error})", line=number) from None
+            if not isinstance(record, dict):
+                raise TraceFileError(path, f"expected a JSON object, got {json_type(record)}", line=number)
+            yield number, record
+
+
+def require_records(path: str | Path, records: Sized) -> None:
+    """Raise `TraceFileError` when a file held no routing record."""
+    if not records:
+        raise TraceFileError(path, "no routing records")
+
+
+def columns_of(layers: Iterable[int]) -> tuple[list[int], dict[int, int]]:
+    """The distinct layers in order, and each one's column."""
+    ordered = sorted(set(layers))
+    return ordered, {layer: column for column, layer in enumerate(ordered)}
+
+
+def empty_ids(path: str | Path, num_tokens: int, num_layers: int, top_k: int, num_records: int) -> np.ndarray:
+    """``[N, L, K]`` int32 filled with -1 (no record), sized by what the file holds.
+
+    Raises:
+        TraceFileError: more than `CELLS_PER_RECORD` cells per record (an index is wrong).
+    """
+    cells = num_tokens * num_layers
+    if cells > CELLS_PER_RECORD * num_records:
+        raise TraceFileError(
+            path,
+            f"{num_records} records would spread over {num_tokens} tokens x {num_layers} layers; "
+            f"a trace is dense (at most {CELLS_PER_RECORD} (token, layer) cells per record), so a "
+            "token index in this file is wrong",
+        )
+    return np.full((num_tokens, num_layers, top_k), -1, dtype=np.int32)
+
+
+def build_trace(path: str | Path, **fields: object) -> RoutingTrace:
+    """``RoutingTrace(**fields)``, any inconsistency reported as a `TraceFileError` of ``path``."""
+    try:
+        return RoutingTrace(**fields)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as error:
+        raise TraceFileError(path, f"does not make a valid routing trace: {error}") from None
 
 
 def infer_num_experts(ids: np.ndarray, given: int | None) -> int:
-    """``given``, else one more than the largest id recorded (raises if an id exceeds it)."""
-    largest = int(ids.max()) if ids.size else -1
-    if given is None:
-        return largest + 1
-    if largest >= given:
-        raise ValueError(f"the trace has expert id {largest}, but num_experts is {given}")
-    return int(given)
+    """``given``, else one more than the largest id recorded (the records were checked)."""
+    if given is not None:
+        return int(given)
+    return int(ids.max()) + 1 if ids.size and int(ids.max()) >= 0 else 1
 
 
 def missing_note(ids: np.ndarray) -> str:
@@ -55,15 +121,18 @@ def concatenate(traces: Sequence[RoutingTrace], *, notes: str = "") -> RoutingTr
         raise ValueError("nothing to concatenate")
     first = traces[0]
     for trace in traces[1:]:
-        if trace.expert_ids.shape[1:] != first.expert_ids.shape[1:]:
-            raise ValueError("traces disagree on layers or top-k")
+        if trace.top_k != first.top_k or not np.array_equal(np.asarray(trace.layers), np.asarray(first.layers)):
+            raise ValueError(
+                f"traces disagree on layers or top-k: {trace.source} has layers "
+                f"{_span(trace.layers)} top-{trace.top_k}, {first.source} {_span(first.layers)} top-{first.top_k}"
+            )
     offsets = np.cumsum([0] + [trace.num_tokens for trace in traces[:-1]])
     request_starts = []
     for offset, trace in zip(offsets, traces, strict=True):
         starts = trace.request_starts if trace.request_starts.size else np.zeros(1, np.int64)
         request_starts.append(starts + offset)
     return RoutingTrace(
-        expert_ids=np.concatenate([trace.expert_ids for trace in traces]),
+        expert_ids=np.concatenate([trace.expert_ids.astype(np.int32) for trace in traces]),
         forward_starts=np.concatenate(
             [trace.forward_starts + offset for offset, trace in zip(offsets, traces, strict=True)]
         ),
@@ -74,3 +143,8 @@ def concatenate(traces: Sequence[RoutingTrace], *, notes: str = "") -> RoutingTr
         source="; ".join(trace.source for trace in traces),
         notes=" ".join([notes, *dict.fromkeys(trace.notes for trace in traces)]).strip(),
     )
+
+
+def _span(layers: np.ndarray | None) -> str:
+    values = [] if layers is None else layers.tolist()
+    return f"{values}" if len(values) <= 4 else f"[{values[0]}, ..., {values[-1]}] ({len(values)})"

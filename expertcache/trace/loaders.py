@@ -2,13 +2,15 @@
 
 Accepted inputs:
 
-* a ``.npz`` written by `RoutingTrace.save` (the recorder's output);
+* a file written by `RoutingTrace.save` (the recorder's output), whatever its name: an
+  ``.npz`` is recognised by its content (a zip archive), not its suffix;
 * a ``.jsonl`` in one of the formats of ``shared/traces`` (see `detect_format`);
 * a folder: every routing file in it, which must share one format, loaded in name order
   and concatenated (each file starts a request). Files that are not routing traces
   (``prompts.txt``, ``*_outputs.jsonl``) are skipped.
 
 Each format's loader handles that format's known defects and states them in ``notes``.
+Anything wrong with a file raises `TraceFileError` (a ValueError) naming it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from expertcache.trace.arrays import MAX_EXPERTS, whole_number
+from expertcache.trace.errors import TraceFileError
 from expertcache.trace.format import RoutingTrace
 from expertcache.trace.jsonl import concatenate
 from expertcache.trace.layer_records import load_layer_records
 from expertcache.trace.mixtral_logs import load_decode_routing, load_raw_routing_log
+from expertcache.trace.npz_file import check_readable_file
 from expertcache.trace.route_logs import load_route_log
 
 #: Format name -> loader(path, num_experts=...) for JSON-lines traces.
@@ -38,18 +43,38 @@ def detect_format(path: str | Path) -> str | None:
     ``route_log``: a ``{"type": "meta"}`` first line (vLLM expert profiler). Otherwise by
     keys: ``prompt_id`` + ``token_pos`` -> ``layer_records``; ``token_pos`` ->
     ``raw_routing_log``; ``token_idx`` + ``problem_id`` -> ``decode_routing``.
+
+    Raises:
+        TraceFileError: the file is missing, a directory, or its first line is not UTF-8
+            (an empty file, or one whose first record is not a JSON object, gives None).
     """
     path = Path(path)
     if path.suffix != ".jsonl":
         return None
-    with open(path, encoding="utf-8") as lines:
-        first = lines.readline()
+    record = _first_record(path)
+    return None if record is None else _format_of(record)
+
+
+def _first_record(path: Path) -> dict | None:
+    """The first non-blank line of ``path`` as a JSON object, or None when it is not one."""
+    if not path.exists():
+        raise TraceFileError(path, "no such file")
+    if path.is_dir():
+        raise TraceFileError(path, "is a directory, not a trace file")
+    with open(path, "rb") as lines:
+        line = next((raw for raw in lines if raw.strip()), b"")
     try:
-        record = json.loads(first)
-    except json.JSONDecodeError:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TraceFileError(path, f"not UTF-8 text (byte {error.start} of the first line)") from None
+    try:
+        record = json.loads(text) if text.strip() else None
+    except (ValueError, RecursionError):
         return None
-    if not isinstance(record, dict):
-        return None
+    return record if isinstance(record, dict) else None
+
+
+def _format_of(record: dict) -> str | None:
     if record.get("type") == "meta":
         return "route_log"
     if "experts" not in record or "layer" not in record:
@@ -64,42 +89,70 @@ def detect_format(path: str | Path) -> str | None:
 
 
 def load_trace(path: str | Path, *, num_experts: int | None = None) -> RoutingTrace:
-    """Load ``path`` (``.npz``, ``.jsonl`` or a folder of one format) as a `RoutingTrace`.
+    """Load ``path`` (an ``.npz`` trace, a ``.jsonl`` or a folder of one format) as a `RoutingTrace`.
 
     Args:
         path: the trace.
-        num_experts: experts per layer when the file does not say (default: one more than
-            the largest id seen).
+        num_experts: experts per layer, in place of what the file says (or, where it says
+            nothing, of one more than the largest id seen); every id must be below it.
 
     Raises:
-        ValueError: unknown format, or a folder mixing formats.
+        TypeError / ValueError: ``num_experts`` not a positive int.
+        TraceFileError (a ValueError): missing, unknown format, a folder mixing formats, or
+            anything malformed in the file (named with its line where there is one).
     """
+    if num_experts is not None:
+        whole_number("num_experts", num_experts, minimum=1, maximum=MAX_EXPERTS)
     path = Path(path)
     if path.is_dir():
         return _load_folder(path, num_experts)
+    check_readable_file(path)
+    with open(path, "rb") as file:
+        if file.read(2) == b"PK":  # a zip archive: what RoutingTrace.save writes
+            return RoutingTrace.load(path, num_experts=num_experts)
     if path.suffix == ".npz":
-        return RoutingTrace.load(path)
+        return RoutingTrace.load(path, num_experts=num_experts)  # says why it is not one
     kind = detect_format(path)
     if kind is None:
-        raise ValueError(f"{path}: not a routing trace this project can read ({_known()})")
+        raise TraceFileError(path, f"not a routing trace this project can read: {_first_line_says(path)} ({_known()})")
     return LOADERS[kind](path, num_experts=num_experts)
 
 
+def _first_line_says(path: Path) -> str:
+    """Why ``path`` matched no format, from its suffix and first line."""
+    if path.suffix != ".jsonl":
+        return f"a suffix {path.suffix or '(none)'!r} that is neither .npz nor .jsonl"
+    with open(path, "rb") as lines:
+        line = next((raw for raw in lines if raw.strip()), b"")
+    if not line:
+        return "only blank lines"
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError) as error:
+        return f"its first line is not JSON ({type(error).__name__})"
+    if not isinstance(record, dict):
+        return "its first line is not a JSON object"
+    return f"its first record has the fields {sorted(record)[:8]}"
+
+
 def _load_folder(folder: Path, num_experts: int | None) -> RoutingTrace:
-    found = {file: detect_format(file) for file in sorted(folder.glob("*.jsonl"))}
+    found: dict[Path, str | None] = {file: detect_format(file) for file in sorted(folder.glob("*.jsonl"))}
     found = {file: kind for file, kind in found.items() if kind is not None}
     found.update({file: "npz" for file in sorted(folder.glob("*.npz"))})
     kinds = set(found.values())
     if not kinds:
-        raise ValueError(f"{folder}: no routing trace inside ({_known()})")
+        raise TraceFileError(folder, f"a folder with no routing trace inside ({_known()})")
     if len(kinds) > 1:
         listing = ", ".join(f"{file.name} ({kind})" for file, kind in found.items())
-        raise ValueError(f"{folder} mixes trace formats; load one file: {listing}")
+        raise TraceFileError(folder, f"mixes trace formats; load one file: {listing}")
     traces = [load_trace(file, num_experts=num_experts) for file in found]
     if len(traces) == 1:
         return traces[0]
     names = ", ".join(file.name for file in found)
-    return concatenate(traces, notes=f"{len(traces)} files concatenated ({names}).")
+    try:
+        return concatenate(traces, notes=f"{len(traces)} files concatenated ({names}).")
+    except ValueError as error:
+        raise TraceFileError(folder, str(error)) from None
 
 
 def _known() -> str:

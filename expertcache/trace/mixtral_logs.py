@@ -28,12 +28,24 @@ from pathlib import Path
 import numpy as np
 
 from expertcache.trace.format import RoutingTrace
-from expertcache.trace.jsonl import empty_ids, infer_num_experts, missing_note, read_jsonl
+from expertcache.trace.jsonl import (
+    build_trace,
+    columns_of,
+    empty_ids,
+    infer_num_experts,
+    missing_note,
+    read_jsonl,
+    require_records,
+)
+from expertcache.trace.records import RecordChecker
 
 DROPPED_TIES = (
     "Records of tokens whose two gate weights tied at exactly [0.5, 0.5] were dropped by "
     "the recorder (about 2.8% of records)."
 )
+
+#: One raw-log record as read: (line, layer, token_pos, experts).
+_Raw = tuple[int, int, int, tuple[int, ...]]
 
 
 def load_raw_routing_log(path: str | Path, *, num_experts: int | None = None, model: str = "") -> RoutingTrace:
@@ -41,29 +53,37 @@ def load_raw_routing_log(path: str | Path, *, num_experts: int | None = None, mo
 
     Returns:
         `RoutingTrace` with ``expert_ids`` ``[P + steps, L, K]``, -1 where a record was lost.
+
+    Raises:
+        TraceFileError: a malformed record, or two prefill records for one (token, layer).
     """
-    records = list(read_jsonl(path))
-    if not records:
-        raise ValueError(f"{path}: empty")
-    layers = [int(record["layer"]) for record in records]
+    checker = RecordChecker(path, num_experts=num_experts)
+    records = [_raw_record(checker, line, record) for line, record in read_jsonl(path)]
+    require_records(path, records)
+    layers = [layer for _, layer, _, _ in records]
     prefill_end = next((i for i in range(1, len(layers)) if layers[i] < layers[i - 1]), len(records))
     prefill = records[:prefill_end]
-    prompt_tokens = max(int(record["token_pos"]) for record in prefill) + 1
-    steps: list[list[dict]] = []
+    _refuse_repeats(checker, prefill)
+    prompt_tokens = max(position for _, _, position, _ in prefill) + 1
+    steps: list[list[_Raw]] = []
     for index in range(prefill_end, len(records)):
         if index == prefill_end or layers[index] <= layers[index - 1]:
             steps.append([])
         steps[-1].append(records[index])
-    ids = empty_ids(prompt_tokens + len(steps), max(layers) + 1, len(records[0]["experts"]))
-    for record in prefill:
-        ids[int(record["token_pos"]), int(record["layer"])] = record["experts"]
+    ordered, column = columns_of(layers)
+    assert checker.top_k is not None
+    ids = empty_ids(path, prompt_tokens + len(steps), len(ordered), checker.top_k, len(records))
+    for _, layer, position, experts in prefill:
+        ids[position, column[layer]] = experts
     for step, step_records in enumerate(steps):
-        for record in step_records:
-            ids[prompt_tokens + step, int(record["layer"])] = record["experts"]
-    return RoutingTrace(
+        for _, layer, _, experts in step_records:
+            ids[prompt_tokens + step, column[layer]] = experts
+    return build_trace(
+        path,
         expert_ids=ids,
-        forward_starts=np.concatenate([[0], prompt_tokens + np.arange(len(steps))]),
+        forward_starts=np.concatenate([[0], prompt_tokens + np.arange(len(steps))]).astype(np.int64),
         request_starts=np.zeros(1, np.int64),
+        layers=np.asarray(ordered, dtype=np.int64),
         num_experts=infer_num_experts(ids, num_experts),
         model=model,
         source=str(path),
@@ -74,33 +94,62 @@ def load_raw_routing_log(path: str | Path, *, num_experts: int | None = None, mo
     )
 
 
+def _raw_record(checker: RecordChecker, line: int, record: dict) -> _Raw:
+    layer, position = checker.index(line, record, "layer"), checker.index(line, record, "token_pos")
+    return line, layer, position, checker.experts(line, record, "experts")
+
+
+def _refuse_repeats(checker: RecordChecker, prefill: list[_Raw]) -> None:
+    first_line: dict[tuple[int, int], int] = {}
+    for line, layer, position, _ in prefill:
+        if (position, layer) in first_line:
+            first = first_line[(position, layer)]
+            message = f"a second prefill record for token_pos {position} at layer {layer} (the first is line {first})"
+            raise checker.fail(line, message)
+        first_line[(position, layer)] = line
+
+
 def load_decode_routing(path: str | Path, *, num_experts: int | None = None, model: str = "") -> RoutingTrace:
     """Load a decode-only file: one token per forward, problems one after another.
 
     Returns:
         `RoutingTrace`; rows are exact per layer but not aligned across layers (see notes).
+
+    Raises:
+        TraceFileError: a malformed record, or two records for one (problem, layer, token_idx).
     """
-    per_layer: dict[tuple[int, int], list[tuple[int, list[int]]]] = defaultdict(list)
-    problems: dict[int, None] = {}
-    for record in read_jsonl(path):
-        problem = int(record["problem_id"])
+    checker = RecordChecker(path, num_experts=num_experts)
+    per_layer: dict[tuple[int | str, int], dict[int, tuple[int, ...]]] = defaultdict(dict)
+    problems: dict[int | str, None] = {}
+    records = 0
+    for line, record in read_jsonl(path):
+        problem = checker.identity(line, record, "problem_id")
+        layer = checker.index(line, record, "layer")
+        token = checker.index(line, record, "token_idx")
+        experts = checker.experts(line, record, "experts")
+        rows = per_layer[(problem, layer)]
+        if token in rows:
+            raise checker.fail(line, f"a second record for token_idx {token} of problem {problem!r} at layer {layer}")
+        rows[token] = experts
         problems.setdefault(problem)
-        per_layer[(problem, int(record["layer"]))].append((int(record["token_idx"]), record["experts"]))
-    if not per_layer:
-        raise ValueError(f"{path}: empty")
-    num_layers = max(layer for _, layer in per_layer) + 1
-    top_k = len(next(iter(per_layer.values()))[0][1])
-    lengths = {p: max(len(v) for (q, _), v in per_layer.items() if q == p) for p in problems}
+        records += 1
+    require_records(path, per_layer)
+    ordered, column = columns_of(layer for _, layer in per_layer)
+    lengths = {problem: 0 for problem in problems}
+    for (problem, _), rows in per_layer.items():
+        lengths[problem] = max(lengths[problem], len(rows))
     offsets = dict(zip(problems, np.cumsum([0, *lengths.values()])[:-1].tolist(), strict=True))
-    ids = empty_ids(sum(lengths.values()), num_layers, top_k)
+    assert checker.top_k is not None
+    ids = empty_ids(path, sum(lengths.values()), len(ordered), checker.top_k, records)
     for (problem, layer), rows in per_layer.items():
-        rows.sort(key=lambda row: row[0])
         start = offsets[problem]
-        ids[start : start + len(rows), layer] = [experts for _, experts in rows]
-    return RoutingTrace(
+        ids[start : start + len(rows), column[layer]] = [rows[token] for token in sorted(rows)]
+    return build_trace(
+        path,
         expert_ids=ids,
         forward_starts=np.arange(ids.shape[0]),
         request_starts=np.array(list(offsets.values()), dtype=np.int64),
+        layers=np.asarray(ordered, dtype=np.int64),
         num_experts=infer_num_experts(ids, num_experts),
         model=model,
         source=str(path),

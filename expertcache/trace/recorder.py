@@ -8,8 +8,9 @@ already recorded in it is seen again, so no framework hook is needed::
     forward 1: record(0, [T1, K]) ...                       -> tokens T0 .. T0+T1-1
 
 ``begin_request()`` marks where a new request (a new prompt) starts. ``trace()`` returns
-everything so far as one `RoutingTrace` ([N, L, K] int16 ids, -1 where a layer was not
-called), which ``RoutingTrace.save`` writes as ``.npz``.
+everything so far as one `RoutingTrace` ([N, L, K] ids, int16 while they fit, -1 where a
+layer was not called), which ``RoutingTrace.save`` writes as ``.npz``. Ids are checked when
+they are recorded: integers in ``[-1, num_experts)`` (once the number of experts is known).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from expertcache.trace.arrays import MAX_EXPERTS, whole_number
 from expertcache.trace.format import RoutingTrace
-
-_INT16_MAX = np.iinfo(np.int16).max
 
 
 class RoutingRecorder:
@@ -43,8 +43,10 @@ class RoutingRecorder:
         model: str = "",
         source: str = "recorded by expertcache",
     ) -> None:
-        self.layers: tuple[int, ...] | None = None if layers is None else tuple(int(i) for i in layers)
-        self.num_experts = num_experts
+        self.layers: tuple[int, ...] | None = None if layers is None else _layer_tuple(layers)
+        self.num_experts = None if num_experts is None else _experts(num_experts)
+        if not isinstance(model, str) or not isinstance(source, str):
+            raise TypeError("model and source must be str")
         self.model = model
         self.source = source
         self._forwards: list[dict[int, np.ndarray]] = []
@@ -54,7 +56,8 @@ class RoutingRecorder:
 
     def describe(self, *, layers: Sequence[int], num_experts: int, model: str = "") -> None:
         """Fill in what the integration knows about the model (checked if already set)."""
-        layers = tuple(int(i) for i in layers)
+        layers = _layer_tuple(layers)
+        num_experts = _experts(num_experts)
         if self.layers is not None and self.layers != layers:
             raise ValueError(f"recorder was set up for layers {self.layers}, the model has {layers}")
         if self.num_experts is not None and self.num_experts != num_experts:
@@ -83,9 +86,16 @@ class RoutingRecorder:
         if self.layers is None or layer not in self.layers:
             raise ValueError(f"layer {layer} is not one of the recorder's layers {self.layers}")
         ids = topk_ids.detach().cpu().numpy() if isinstance(topk_ids, torch.Tensor) else np.asarray(topk_ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"topk_ids must hold integer expert ids, got dtype {ids.dtype}")
+        if ids.ndim < 2:
+            raise ValueError(f"topk_ids must be [T, K], got shape {ids.shape}")
         ids = ids.reshape(-1, ids.shape[-1])
-        if ids.size and (ids.min() < -1 or ids.max() > _INT16_MAX):
-            raise ValueError(f"expert ids must be in [-1, {_INT16_MAX}] to be stored as int16")
+        limit = self.num_experts if self.num_experts is not None else MAX_EXPERTS
+        if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= limit):
+            raise ValueError(
+                f"expert ids must be in [-1, {limit}), got values from {int(ids.min())} to {int(ids.max())}"
+            )
         if self._top_k is not None and ids.shape[1] != self._top_k:
             raise ValueError(f"top-k changed from {self._top_k} to {ids.shape[1]} between calls")
         if layer in self._current:
@@ -96,7 +106,7 @@ class RoutingRecorder:
                 f"layer {layer} routed {ids.shape[0]} tokens, the other layers of this forward pass {tokens.pop()}"
             )
         self._top_k = ids.shape[1]
-        self._current[layer] = ids.astype(np.int16)
+        self._current[layer] = ids.astype(np.int32)
 
     def trace(self) -> RoutingTrace:
         """Everything recorded so far as a `RoutingTrace` (recording may continue after)."""
@@ -113,7 +123,7 @@ class RoutingRecorder:
             blocks.append(block)
             total += block.shape[0]
         top_k = blocks[0].shape[2] if blocks else 0
-        expert_ids = np.concatenate(blocks) if blocks else np.zeros((0, len(self.layers), top_k), np.int16)
+        expert_ids = np.concatenate(blocks) if blocks else np.zeros((0, len(self.layers), top_k), np.int32)
         requests = sorted({forward_token[f] for f in self._request_forwards if f < len(forwards)})
         return RoutingTrace(
             expert_ids=expert_ids,
@@ -133,7 +143,18 @@ class RoutingRecorder:
     def _forward_block(self, forward: dict[int, np.ndarray]) -> np.ndarray:
         tokens, top_k = next(iter(forward.values())).shape
         assert self.layers is not None
-        block = np.full((tokens, len(self.layers), top_k), -1, dtype=np.int16)
+        block = np.full((tokens, len(self.layers), top_k), -1, dtype=np.int32)
         for layer, ids in forward.items():
             block[:, self.layers.index(layer)] = ids
         return block
+
+
+def _layer_tuple(layers: Sequence[int]) -> tuple[int, ...]:
+    values = tuple(whole_number("a layer index", layer, minimum=0, maximum=2**63 - 1) for layer in layers)
+    if len(set(values)) != len(values):
+        raise ValueError(f"layers must be distinct, got {values}")
+    return values
+
+
+def _experts(num_experts: int) -> int:
+    return whole_number("num_experts", num_experts, minimum=1, maximum=MAX_EXPERTS)

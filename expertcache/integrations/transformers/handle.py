@@ -137,7 +137,7 @@ def enable_expert_cache(
     config: ExpertCacheConfig | None = _UNSET,  # type: ignore[assignment]
     *,
     cache_size: int | None = None,
-    policy: str = "lru",
+    policy: str | None = None,
     budget: str | None = None,
     device: str | torch.device | None = None,
     pin_budget_bytes: int | None = None,
@@ -149,11 +149,12 @@ def enable_expert_cache(
     Args:
         model: a transformers model (e.g. ``AutoModelForCausalLM``) with its weights loaded.
         config: an `ExpertCacheConfig` (from `expertcache.cli.cache_config_from_args`) instead
-            of the keyword settings. ``None``, what that function returns when the engine's
-            flags leave the cache off, changes nothing and returns None.
+            of the keyword settings (giving both raises TypeError). ``None``, what that
+            function returns when the engine's flags leave the cache off, changes nothing
+            and returns None (with any keyword besides, which would be ignored: TypeError).
         cache_size: GPU slots per MoE layer, between the router's top-k and the number of
             experts per layer (with ``budget="global"``: one pool of cache_size x layers).
-        policy: eviction policy name (``"lru"``).
+        policy: eviction policy name (default ``"lru"``).
         budget: ``"per-layer"`` or ``"global"`` (default: `expertcache.config.DEFAULT_BUDGET`).
         device: where the slots live (default: where the expert weights are now).
         pin_budget_bytes: refuse, before pinning anything, to pin more host memory in all.
@@ -164,14 +165,28 @@ def enable_expert_cache(
         An `ExpertCacheHandle` (``stats``, ``disable()``, ``config``); None for ``config=None``.
 
     Raises:
+        TypeError: ``model`` is not a module; config and keyword settings both given.
         UnsupportedModelError: the model's experts cannot be served (names the family).
         NoExpertsError: the model has no MoE layers.
         ValueError: a setting out of range for this model; PinBudgetError: over the budget.
         Nothing is changed when any of these is raised.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    settings: dict[str, object] = {
+        "cache_size": cache_size,
+        "policy": policy,
+        "budget": budget,
+        "device": device,
+        "pin_budget_bytes": pin_budget_bytes,
+        "mode": mode,
+    }
     if config is None:
+        given = [name for name, value in {**settings, "recorder": recorder}.items() if value is not None]
+        if given:
+            raise TypeError(f"config=None turns the cache off, so {', '.join(given)} would be ignored; drop them")
         return None
-    config = _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes, mode)
+    config = _resolve_config(config, settings)
     if any(dispatch.is_bound(module) for module in model.modules()):
         raise RuntimeError("the expert cache is already enabled on this model; disable() it first")
     blocks = check_cache_size(model, config.cache_size)
@@ -226,21 +241,23 @@ def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
     return blocks
 
 
-def _resolve_config(config, cache_size, policy, budget, device, pin_budget_bytes, mode) -> ExpertCacheConfig:
+def _resolve_config(config: object, settings: dict[str, object]) -> ExpertCacheConfig:
+    given = [name for name, value in settings.items() if value is not None]
     if config is not _UNSET:
         if not isinstance(config, ExpertCacheConfig):
             raise TypeError(f"config must be an ExpertCacheConfig or None, got {type(config).__name__}")
-        settings = (cache_size, budget, device, pin_budget_bytes, mode)
-        if any(setting is not None for setting in settings):
-            raise TypeError("give either config or the keyword settings, not both")
+        if given:
+            raise TypeError(
+                f"give either config or the keyword settings, not both: {', '.join(given)} beside a config "
+                "would be ignored (use dataclasses.replace(config, ...) to change a setting)"
+            )
         return config
-    if cache_size is None:
+    if settings["cache_size"] is None:
         raise TypeError("enable_expert_cache needs cache_size (GPU slots per MoE layer) or a config")
-    extra = {"budget": budget} if budget is not None else {}
-    if mode is not None:
-        extra["mode"] = mode
-    device_name = None if device is None else str(device)
-    return ExpertCacheConfig(cache_size, policy, pin_budget_bytes=pin_budget_bytes, device=device_name, **extra)
+    chosen = {name: value for name, value in settings.items() if value is not None}
+    if "device" in chosen:
+        chosen["device"] = str(chosen["device"])
+    return ExpertCacheConfig(**chosen)  # type: ignore[arg-type]
 
 
 def _check_not_meta(model: nn.Module, blocks: list[ExpertBlock]) -> None:
