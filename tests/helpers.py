@@ -43,3 +43,13 @@ def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def addresses(pool) -> dict[str, int]:
     return {name: t.data_ptr() for name, t in pool.tensors.items()}
+
+
+def views(provider) -> tuple:
+    """Everything a provider's public read-only views say: stats, resident set, both tables."""
+    return (
+        provider.stats,
+        provider.resident(),
+        [provider.slot_of(e) for e in range(provider.num_experts)],
+        [provider.expert_in(s) for s in range(provider.pool.num_slots)],
+    )

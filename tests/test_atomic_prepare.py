@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 from conftest import devices
-from helpers import random_weights, same_bytes, slot_bytes
+from helpers import random_weights, same_bytes, slot_bytes, views
 
 import expertcache.device_prepare as device_prepare
 import expertcache.host_prepare as host_prepare
@@ -26,19 +26,13 @@ E = 8
 
 
 def snapshot(provider):
-    return (
-        provider.stats,
-        provider.resident(),
-        [provider.slot_of(e) for e in range(provider.num_experts)],
-        [provider.expert_in(s) for s in range(provider.pool.num_slots)],
-        slot_bytes(provider.pool),
-    )
+    return views(provider), slot_bytes(provider.pool)
 
 
 def assert_unchanged(provider, before):
-    *views, held = snapshot(provider)
-    assert views == list(before[:4])
-    assert same_bytes(held, before[4]), "slot bytes changed"
+    now = snapshot(provider)
+    assert now[0] == before[0]
+    assert same_bytes(now[1], before[1]), "slot bytes changed"
 
 
 def assert_next_call_is_right(provider, weights, device):

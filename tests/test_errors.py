@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_weights
+from helpers import random_weights, views
 
 from expertcache import CacheCapacityError, CachedWeightProvider, FullGPUProvider, PinBudgetError, SlotPool
 from expertcache.reference import moe_forward
@@ -17,13 +17,7 @@ def weights():
     return random_weights(E, 8, 4, generator=torch.Generator().manual_seed(0), extras=True)
 
 
-def snapshot(provider):
-    return (
-        provider.stats,
-        provider.resident(),
-        [provider.slot_of(e) for e in range(provider.num_experts)],
-        [provider.expert_in(s) for s in range(provider.pool.num_slots)],
-    )
+snapshot = views
 
 
 @pytest.mark.parametrize(
