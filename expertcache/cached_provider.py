@@ -10,6 +10,7 @@ A thin face on the machinery: it builds the layer's `CPUBackingStore`, attaches 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Mapping
 
 import numpy as np
@@ -65,6 +66,8 @@ class CachedWeightProvider(ExpertWeightProvider):
         mode: str | None = None,
     ) -> None:
         if isinstance(weights, CPUBackingStore):
+            if pin_budget_bytes is not None:
+                raise ValueError("pin_budget_bytes applies when the store is built; this one is built already")
             num_local, layout = weights.num_experts, weights.layout
         else:
             num_local, layout = layout_from_weights(weights)
@@ -81,7 +84,10 @@ class CachedWeightProvider(ExpertWeightProvider):
             else check_expert_map(expert_map, num_local)
         )
         if pool is None:
-            pool = SlotPool(layout, int(cache_size), device=target, policy=policy or "lru", mode=mode or "host")  # type: ignore[arg-type]
+            pool = SlotPool(
+                layout, int(cache_size),  # type: ignore[arg-type]
+                device=target, policy="lru" if policy is None else policy, mode="host" if mode is None else mode,
+            )  # fmt: skip
         if isinstance(weights, CPUBackingStore):
             store = weights
         else:
@@ -167,9 +173,9 @@ def _check_shared_pool(pool: object, **settings: object) -> None:
 def _check_cache_size(cache_size: object, num_experts: int) -> None:
     if cache_size is None:
         raise ValueError("cache_size (the number of GPU slots) is required")
-    if not isinstance(cache_size, int) or isinstance(cache_size, bool):
+    if not isinstance(cache_size, numbers.Integral) or isinstance(cache_size, bool):
         raise TypeError(f"cache_size must be an int, got {type(cache_size).__name__}")
-    if not 1 <= cache_size <= num_experts:
+    if not 1 <= int(cache_size) <= num_experts:
         raise ValueError(
             f"cache_size must be between 1 and the number of local experts ({num_experts}), got {cache_size}"
         )

@@ -27,15 +27,23 @@ class SingleCaller:
     def __init__(self, what: str) -> None:
         self._lock = threading.Lock()
         self._what = what
+        self._holder: int | None = None
 
     def __enter__(self) -> None:
         if not self._lock.acquire(blocking=False):
+            if self._holder == threading.get_ident():
+                raise ConcurrentUseError(
+                    f"prepare() was called on {self._what} from inside one of its own prepare() calls (a copy "
+                    f"hook?); a pool serves one call at a time"
+                )
             raise ConcurrentUseError(
                 f"{self._what} is already serving a prepare() call in another thread; a slot pool serves "
                 f"one thread at a time (its results stay valid only until the pool's next prepare)"
             )
+        self._holder = threading.get_ident()
 
     def __exit__(self, *exc: object) -> None:
+        self._holder = None
         self._lock.release()
 
 

@@ -67,6 +67,11 @@ def register(pool: SlotPool) -> int:
 def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.Tensor:
     """Device-mode ``SlotPool.prepare`` (see the module docstring)."""
     if topk_ids.numel() > pool.num_slots:
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                f"under torch.compile a device-mode call may hold at most num_slots={pool.num_slots} ids (got "
+                f"{topk_ids.numel()}): a larger call is checked on the host, which a compiled graph cannot do"
+            )
         if pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise ValueError(
                 f"a CUDA graph can hold a call of at most num_slots={pool.num_slots} ids (got "

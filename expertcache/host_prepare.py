@@ -2,8 +2,8 @@
 
 One call, each step after the first able to fail without leaving a trace::
 
-    read    ids and the expert -> slot table to the host (one sync); range-check, map global
-            -> local, deduplicate into keys; refuse more keys than slots
+    read    ids and the committed state (tables, counters) to the host (one sync); range-check,
+            map global -> local, deduplicate into keys; refuse more keys than slots
     plan    `call_plan.plan_call` on that snapshot: hits, loads, victims (the policy hears
             only that the call begins)
     move    the plan's copies (copy engine, or upload + copy kernel)        -+ rolled back
@@ -12,8 +12,9 @@ One call, each step after the first able to fail without leaving a trace::
     tell    the policy hears of the call (`call_plan.tell_policy`)
 
 ``SIGINT`` is held from plan to tell (`call_guards.deferred_interrupts`); an exception
-there restores the slots the plan overwrote (`mover.restore_slots`) and makes the policy
-forget the call (``abort_call``); the tables and counters were never touched.
+there restores the slots the plan overwrote (`mover.restore_slots`), the tables and
+counters (from the bytes read in step one), and makes the policy forget the call
+(``abort_call``).
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ class ForwardTracker:
 
 def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.Tensor:
     """Host-mode ``SlotPool.prepare`` (see the module docstring)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("host mode reads ids on the host and cannot be compiled; use mode='device'")
     with pool.guard, on_device(pool.device):
-        ids_host, table = _read(pool, topk_ids)
+        ids_host, committed = _read(pool, topk_ids)
+        table = committed[: pool.tables.num_keys * 4].view(np.int32)  # expert_to_slot, as it was
         keys = local_keys(layer, ids_host)
         if len(keys) > pool.num_slots:
             raise CacheCapacityError(len(keys), pool.num_slots)
@@ -73,8 +77,9 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
                 _upload(pool, layer, plan)
                 _move(pool, layer, plan)
                 _commit(pool, layer, plan, ids, out)
-            except BaseException:
+            except BaseException:  # even a launch that raised after it ran leaves nothing behind
                 restore_slots(pool.tensors, plan.loads, pool.store_of)
+                pool.tables.committed.copy_(torch.from_numpy(committed))
                 policy.abort_call()
                 raise
             pool.forward.record(layer.name)
@@ -99,14 +104,15 @@ def local_keys(layer: PoolLayer, ids_host: np.ndarray) -> list[int]:
 
 
 def _read(pool: SlotPool, topk_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """``topk_ids`` and ``expert_to_slot`` on the host: the call's one sync."""
-    table = pool.tables.expert_to_slot
+    """``topk_ids`` and the committed state (tables and counters, as bytes) on the host: the
+    call's one sync. The state is what the planner reads and what a rollback restores."""
+    committed = pool.tables.committed
     if pool.device.type != "cuda":
-        return topk_ids.numpy(), table.numpy().copy()
+        return topk_ids.numpy(), committed.numpy().copy()
     ids_host = topk_ids.to("cpu", non_blocking=True)
-    table_host = table.to("cpu", non_blocking=True)
+    committed_host = committed.to("cpu", non_blocking=True)
     torch.cuda.current_stream(pool.device).synchronize()
-    return ids_host.numpy(), table_host.numpy()
+    return ids_host.numpy(), committed_host.numpy()
 
 
 def _free_slots(table: np.ndarray, num_slots: int) -> Iterator[int]:

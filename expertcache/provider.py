@@ -89,5 +89,5 @@ class FullGPUProvider(ExpertWeightProvider):
     def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
         check_topk_ids(topk_ids, self.device)
         if self._expert_map is not None:
-            topk_ids = remap_topk_ids(topk_ids, self._expert_map)
-        return result_from_tensors(self._tensors, topk_ids)
+            return result_from_tensors(self._tensors, remap_topk_ids(topk_ids, self._expert_map))
+        return result_from_tensors(self._tensors, topk_ids.contiguous())

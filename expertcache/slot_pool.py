@@ -144,6 +144,8 @@ class SlotPool:
         self.layout.check_compatible(store.layout, what=f"layer {name!r}")
         if self.device.type == "cuda" and not store.pinned:
             raise ValueError("a store served to a GPU pool must be pinned (build it with pin=True)")
+        if self.policy is not None and not self.layers:  # the first layer binds the policy
+            claim_policy(self.policy, capacity=self.num_slots, owner=self)
         key_offset = self.tables.num_keys
         host_map = global_to_local.to(torch.int64).numpy()
         identity = np.array_equal(host_map, np.arange(store.num_experts))
@@ -155,8 +157,6 @@ class SlotPool:
         self.tables = SlotTables.allocate(
             key_offset + store.num_experts, self.num_slots, len(self.layers) + 1, self.device
         )
-        if self.policy is not None and not self.layers:
-            claim_policy(self.policy, capacity=self.num_slots, owner=self)
         self.layers[name] = layer
         self.ordered_layers.append(layer)
         self._key_offsets.append(key_offset)
@@ -197,10 +197,10 @@ class SlotPool:
         if self.layers.get(layer.name) is not layer:
             raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
         check_topk_ids(topk_ids, self.device)
-        self._started = True
-        if self.mode == "device":
-            return device_prepare.prepare(self, layer, topk_ids)
-        return host_prepare.prepare(self, layer, topk_ids)
+        run = device_prepare.prepare if self.mode == "device" else host_prepare.prepare
+        slot_ids = run(self, layer, topk_ids)
+        self._started = True  # the tables now hold state: they keep their addresses
+        return slot_ids
 
     # -- read-only views (they read the device tables: call them outside CUDA graphs) -------
 
@@ -225,6 +225,10 @@ class SlotPool:
 
 def _host_policy(policy: str | EvictionPolicy, num_slots: int) -> EvictionPolicy:
     chosen = make_policy(policy, capacity=num_slots)
+    if chosen.capacity != num_slots:
+        raise ValueError(
+            f"the {chosen.name!r} policy instance was built for capacity {chosen.capacity}, not {num_slots}"
+        )
     if chosen.clairvoyant:
         raise ValueError(
             f"policy {chosen.name!r} needs to know the future: it is for simulation (expertcache.sim.replay) only"

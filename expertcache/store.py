@@ -80,17 +80,22 @@ class CPUBackingStore:
     ) -> None:
         num_experts = int(weights["w1"].shape[0])
         nbytes = layout.buffer_bytes(num_experts)
+        budget_type = type(pin_budget_bytes)
+        if pin_budget_bytes is not None and (budget_type is bool or not isinstance(pin_budget_bytes, int)):
+            raise TypeError(f"pin_budget_bytes must be an int (bytes) or None, got {budget_type.__name__}")
         if pin_budget_bytes is not None and nbytes > pin_budget_bytes:
             raise PinBudgetError(nbytes, pin_budget_bytes)
         if pin and not torch.cuda.is_available():
             raise ValueError("pin=True needs CUDA; on a CPU-only machine the store is plain memory")
         self.layout = layout
         self.num_experts = num_experts
-        with torch.inference_mode(False):  # usable inside and outside inference mode
+        # outside inference mode (usable inside and outside it) and outside autograd (the
+        # caller's tensors, parameters included, are copied, never referenced)
+        with torch.inference_mode(False), torch.no_grad():
             self.buffer = torch.zeros(nbytes, dtype=torch.uint8)  # padding bytes deterministic
             self.tensors = layout.views(self.buffer, num_experts)
             for name, view in self.tensors.items():
-                view.copy_(weights[name])
+                view.copy_(weights[name].detach())
         self.pinned = False
         if pin:
             _flush_released()

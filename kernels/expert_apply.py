@@ -218,10 +218,10 @@ def _moe_apply(
     device = hidden.device
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
-    out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=device)
     invalid = torch.zeros(1, dtype=torch.int64, device=device)
-    if tokens == 0:
-        return out, invalid
+    if tokens == 0 or top_k == 0:  # nothing chosen: the mixture of no expert is zero
+        return torch.zeros(tokens, hidden_size, dtype=hidden.dtype, device=device), invalid
+    out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=device)
     act = torch.empty(tokens * top_k, inter_size, dtype=torch.float32, device=device)
     part = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=device)
     pairs = tokens * top_k

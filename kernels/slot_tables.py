@@ -105,6 +105,14 @@ class SlotTables:
         fields["counters"] = fields["counters"].view(num_layers, NUM_COUNTERS)
         return cls(buffer, num_keys, num_slots, num_layers, **fields)
 
+    @property
+    def committed(self) -> torch.Tensor:
+        """The bytes a call commits (the two tables, recency, clock, counters; they lead the
+        buffer): one copy of them is a snapshot to roll back to."""
+        name, dtype, offset, count, _ = _spans(self.num_keys, self.num_slots, self.num_layers)[4]
+        assert name == "counters"
+        return self.buffer[: offset + count * dtype.itemsize]
+
     def plan_entries(self) -> torch.Tensor:
         """``[S, 4]`` view of the plan entries (expert, slot, key, evicted key)."""
         return self.plan[1:].view(self.num_slots, len(PLAN_FIELDS))

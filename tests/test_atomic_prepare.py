@@ -77,6 +77,7 @@ def fail_before(real, failure):
         ("host", host_prepare, "copy_with_engine", fail_before),  # between the plan and the first copy
         ("host", host_prepare, "copy_with_engine", fail_after),  # a copy fails after its bytes landed
         ("host", host_prepare, "commit_plan", fail_before),  # every copy done, the commit launch fails
+        ("host", host_prepare, "commit_plan", fail_after),  # the commit ran, then its launcher raised
         ("device", device_prepare, "admit", fail_after),  # tables updated on the device, then a failure
         ("device", device_prepare, "copy_with_kernel", fail_before),  # between admission and copy
         ("device", device_prepare, "copy_with_kernel", fail_after),  # after the copy's bytes landed
