@@ -165,7 +165,8 @@ def _check_shared_pool(pool: object, **settings: object) -> None:
     given = sorted(name for name, value in settings.items() if value is not None)
     if given:
         raise ValueError(
-            f"{', '.join(given)} belong to the shared pool (its device {pool.device}, mode {pool.mode!r}); "
+            f"{', '.join(given)} {'belongs' if len(given) == 1 else 'belong'} to the shared pool (its device "
+            f"{pool.device}, mode {pool.mode!r}); "
             f"build the SlotPool with them instead of passing them beside pool="
         )
 
