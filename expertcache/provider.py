@@ -4,13 +4,18 @@ A weight provider sits between the router and the fused-MoE kernel of one layer:
 
     topk_ids [T, K] --prepare--> ExpertWeightResult(w1, w2, topk_ids remapped, scales, extra)
 
-so the kernel never knows where the weights came from.
+so the kernel never knows where the weights came from. A call may need more distinct
+experts than a cache holds at once (a prefill, a large batch): ``passes`` serves it as
+several results, each marking the other passes' ids -1, and the engine sums its kernel's
+outputs over them (`expertcache.passes`)::
+
+    out = sum(fused_moe(hidden, r.w1, r.w2, topk_weights, r.topk_ids) for r in provider.passes(topk_ids))
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -42,6 +47,22 @@ class ExpertWeightProvider(ABC):
             The weights and ``topk_ids`` remapped into their index space (-1 = not served
             here; the kernel skips it).
         """
+
+    def passes(self, topk_ids: torch.Tensor) -> Iterator[ExpertWeightResult]:
+        """Serve a call of any size as one or more results (``prepare`` is the one-pass case).
+
+        Args:
+            topk_ids: ``[T, K]`` int32 or int64 global expert ids from the router.
+
+        Yields:
+            `ExpertWeightResult` per pass; its ``topk_ids`` hold this pass's ids remapped
+            and -1 for every id served by another pass. Every (token, choice) is served by
+            exactly one pass. Run the kernel on a result before asking for the next one:
+            the next pass may overwrite its slots.
+
+        A provider that holds every expert yields ``prepare(topk_ids)`` once.
+        """
+        yield self.prepare(topk_ids)
 
 
 def result_from_tensors(tensors: Mapping[str, torch.Tensor], topk_ids: torch.Tensor) -> ExpertWeightResult:
