@@ -4,10 +4,12 @@ The shape of what an engine runs per generated token, with the cache inside::
 
     for each layer:  h = rms_norm(h + h @ attention)               (stand-in GEMM)
                      logits = h @ router;  weights = softmax(logits at the given ids)
-                     result = provider.prepare(ids)                 (cache: admit, copy, remap)
-                     h = h + moe_apply(
-                h, result.w1, result.w2, weights, result.topk_ids, w1_scale=result.w1_scale, w2_scale=result.w2_scale
-            )
+                     for result in provider.passes(ids):            (cache: admit, copy, remap)
+                         moe += apply(h, result.w1, result.w2, weights, result.topk_ids)   fp32
+                     h = h + moe
+
+A call needing more experts than the slots runs as several passes (`expertcache.passes`);
+decode batches that fit take one.
 
 Routing ids are an input (replayed from a trace, or any router's top-k), so a captured
 graph replays with fresh routing every step. With device-mode providers the captured step
@@ -16,13 +18,16 @@ contains admissions and copies: misses are served inside the graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from expertcache.kernels import moe_apply
 from expertcache.provider import ExpertWeightProvider
+
+#: An expert apply with `moe_apply`'s signature (``fp32_out=True`` is passed).
+ExpertApply = Callable[..., torch.Tensor]
 
 
 class DecodeStack:
@@ -35,6 +40,7 @@ class DecodeStack:
         dtype, device: of the dense parts and activations.
         seed: the dense parts are drawn from it, so stacks with the same seed compute the
             same function.
+        apply: the expert kernel (default `moe_apply`; any function with its signature).
     """
 
     def __init__(
@@ -46,7 +52,9 @@ class DecodeStack:
         dtype: torch.dtype,
         device: torch.device | str,
         seed: int = 0,
+        apply: ExpertApply = moe_apply,
     ) -> None:
+        self.apply = apply
         gen = torch.Generator().manual_seed(seed)
         scale = hidden_size**-0.5
         self.providers = list(providers)
@@ -77,10 +85,15 @@ class DecodeStack:
             ids = routing[layer]
             logits = (h @ self.router[layer]).float()
             weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
-            result = provider.prepare(ids)
-            h = h + moe_apply(
-                h, result.w1, result.w2, weights, result.topk_ids, w1_scale=result.w1_scale, w2_scale=result.w2_scale
-            )
+            moe = None
+            for result in provider.passes(ids):
+                part = self.apply(
+                    h, result.w1, result.w2, weights, result.topk_ids,
+                    w1_scale=result.w1_scale, w2_scale=result.w2_scale, fp32_out=True,
+                )  # fmt: skip
+                moe = part if moe is None else moe + part
+            assert moe is not None  # every provider yields at least one pass
+            h = h + moe.to(h.dtype)
         return h
 
 

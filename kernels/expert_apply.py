@@ -128,6 +128,7 @@ def moe_apply(
     w2_scale: torch.Tensor | None = None,
     scale_block: int = 128,
     invalid_ids: torch.Tensor | None = None,
+    fp32_out: bool = False,
     block_i: int = 16,
     block_h: int = 256,
     block_rows: int = 16,
@@ -145,9 +146,11 @@ def moe_apply(
         scale_block: rows and columns per scale block.
         invalid_ids: optional ``[1]`` int64 counter on ``hidden``'s device; ids outside
             ``[-1, N)`` are added to it (checking them on the host would need a sync).
+        fp32_out: return the fp32 accumulator instead of rounding to ``hidden``'s dtype
+            (to sum expert-group passes, `expertcache.passes`, before rounding once).
 
     Returns:
-        ``[T, H]`` in ``hidden``'s dtype, accumulated in fp32.
+        ``[T, H]`` in ``hidden``'s dtype (fp32 with ``fp32_out``), accumulated in fp32.
 
     A ``torch.library`` custom op (``expertcache::moe_apply``): ``torch.compile`` traces it
     without a graph break.
@@ -161,7 +164,7 @@ def moe_apply(
     # Eagerly the implementation runs directly (the dispatcher costs ~10 us a call).
     run = torch.ops.expertcache.moe_apply if torch.compiler.is_compiling() else _moe_apply
     out, invalid = run(
-        hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, scale_block, block_i, block_h, block_rows
+        hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, scale_block, fp32_out, block_i, block_h, block_rows
     )
     if invalid_ids is not None:
         invalid_ids.add_(invalid)
@@ -205,6 +208,7 @@ def _moe_apply(
     w1_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
     scale_block: int,
+    fp32_out: bool,
     block_i: int,
     block_h: int,
     block_rows: int,
@@ -219,9 +223,10 @@ def _moe_apply(
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
     invalid = torch.zeros(1, dtype=torch.int64, device=device)
+    out_dtype = torch.float32 if fp32_out else hidden.dtype
     if tokens == 0 or top_k == 0:  # nothing chosen: the mixture of no expert is zero
-        return torch.zeros(tokens, hidden_size, dtype=hidden.dtype, device=device), invalid
-    out = torch.empty(tokens, hidden_size, dtype=hidden.dtype, device=device)
+        return torch.zeros(tokens, hidden_size, dtype=out_dtype, device=device), invalid
+    out = torch.empty(tokens, hidden_size, dtype=out_dtype, device=device)
     act = torch.empty(tokens * top_k, inter_size, dtype=torch.float32, device=device)
     part = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=device)
     pairs = tokens * top_k
@@ -247,8 +252,9 @@ _moe_apply_op = torch.library.custom_op("expertcache::moe_apply", _moe_apply, mu
 
 
 @_moe_apply_op.register_fake
-def _(hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, scale_block, block_i, block_h, block_rows):
-    return hidden.new_empty(topk_ids.shape[0], w2.shape[1]), hidden.new_empty(1, dtype=torch.int64)
+def _(hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, scale_block, fp32_out, block_i, block_h, block_rows):
+    dtype = torch.float32 if fp32_out else hidden.dtype
+    return hidden.new_empty(topk_ids.shape[0], w2.shape[1], dtype=dtype), hidden.new_empty(1, dtype=torch.int64)
 
 
 def _check_scales(w1, w2, w1_scale, w2_scale, block: int) -> None:
