@@ -3,9 +3,9 @@
 The same GPU memory two ways: ``N`` slots in a private pool per MoE layer, or one pool of
 ``N * L`` slots shared by all ``L`` layers (keys ``(layer, expert)``, LRU over all of them).
 Every fused-MoE call is admitted through `expertcache.slot_table.SlotTable` exactly as the
-runtime cache admits it (calls whose distinct experts exceed the slots run as token pieces,
-`expertcache.chunking.split_to_capacity`, as the transformers integration does), forward by
-forward and layer by layer. Prints hit rates and misses (each miss is one expert copied).
+runtime cache admits it (calls whose distinct experts exceed the slots run in expert-group
+passes, `expertcache.passes`, as every runtime path does), forward by forward and layer by
+layer. Prints hit rates and misses (each miss is one expert copied).
 
 Only the traces that cover every layer of a model can tell the two budgets apart:
 Mixtral-8x7B (``routing_raw.jsonl``: prefill + decode, aligned across layers; the two
@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 from _common import traces_dir
 
-from expertcache.chunking import split_to_capacity
 from expertcache.slot_table import SlotTable
 
 MIXTRAL = "mixtral-8x7b-instruct-fp8__speculative-moe"
@@ -113,9 +112,8 @@ def replay(streams: list[list[Forward]], slots_per_layer: int, budget: str) -> d
             phase = "prefill_misses" if any(len(ids) > 1 for _, ids in forward) else "decode_misses"
             for layer, ids in forward:
                 table = tables[layer]
-                for piece in split_to_capacity(ids, table.num_slots):
-                    keys = [(layer, int(e)) for e in ids[piece].reshape(-1)]
-                    admission = table.admit(keys)
+                keys = [(layer, int(e)) for e in ids.reshape(-1) if e >= 0]
+                for admission in table.admit_passes(keys):
                     counts["hits"] += len(admission.hits)
                     counts["misses"] += len(admission.loads)
                     counts[phase] += len(admission.loads)

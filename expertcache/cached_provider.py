@@ -6,12 +6,14 @@ A thin face on the machinery: it builds the layer's `CPUBackingStore`, attaches 
 
     topk_ids [T, K] -> SlotPool.prepare: plan (host policy | device LRU), move, commit + remap
                     -> ExpertWeightResult(w1 [S, 2I, H], w2 [S, H, I], ..., topk_ids = slot ids)
+
+and each ``passes`` into one such result per expert-group pass (`expertcache.passes`).
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -157,6 +159,28 @@ class CachedWeightProvider(ExpertWeightProvider):
             and ids outside ``[0, E)`` come out -1, counted in ``stats.invalid_ids``.
         """
         return result_from_tensors(self.pool.tensors, self.pool.prepare(self.layer, topk_ids))
+
+    def passes(self, topk_ids: torch.Tensor) -> Iterator[ExpertWeightResult]:
+        """Serve a call of any size, in expert-group passes when its experts exceed the slots.
+
+        Args:
+            topk_ids: ``[T, K]`` int32/int64 global expert ids on the cache's device.
+
+        Returns:
+            An iterator of `ExpertWeightResult` (slot tensors as from ``prepare``), one per
+            pass; each result's ``topk_ids`` hold its pass's slot ids and -1 for the ids of
+            every other pass, so a kernel that skips -1 computes the pass's share and the
+            sum over passes is the layer's output. Resident experts are used in pass 0
+            before anything is copied; every expert is loaded at most once per call. Run
+            the kernel on each result before taking the next: the next pass may overwrite
+            its slots. Device mode yields `expertcache.passes.max_passes` results whatever
+            the routing (no sync: a CUDA graph captures them), the unneeded ones all -1.
+
+        Raises:
+            As ``prepare`` (never `CacheCapacityError`); bad ids raise before anything runs.
+        """
+        results = self.pool.passes(self.layer, topk_ids)
+        return (result_from_tensors(self.pool.tensors, slot_ids) for slot_ids in results)
 
 
 def _check_shared_pool(pool: object, **settings: object) -> None:

@@ -13,15 +13,23 @@ traces without a graph break. Outside a capture the op snapshots the state buffe
 overwrite and then the state (this path reads the plan on the host), so a failed call
 changes nothing.
 
-A call of more ids than slots could need more distinct experts than fit: eagerly it is
-checked on the host first (one sync), raising like host mode; inside a CUDA graph such a
-call is refused (the kernel alone would only flag it, in ``stats.overflows``).
+A ``prepare`` of more ids than slots could need more distinct experts than fit: eagerly
+it is checked on the host first (one sync), raising like host mode; inside a CUDA graph
+such a call is refused (the kernel alone would only flag it, in ``stats.overflows``).
+``passes`` serves any call without a sync: `expertcache.passes.max_passes` passes, fixed
+by the call's shape; the first one also assigns every position its pass on the device
+(`expertcache.kernels.passes`), each is one op as above, and the passes a call does not
+need are empty (launches only)::
+
+    pass 0      assign passes, admit pass 0, copy      -> slot ids of pass 0, -1 elsewhere
+    pass g > 0  admit pass g, copy                     -> slot ids of pass g, -1 elsewhere
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,8 +40,10 @@ from expertcache.errors import CacheCapacityError
 from expertcache.host_prepare import local_keys
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.admission import admit
+from expertcache.kernels.passes import assign_passes
 from expertcache.kernels.slot_tables import SlotTables
 from expertcache.mover import copy_with_kernel, restore_slots
+from expertcache.passes import max_passes
 from expertcache.policies import EvictionPolicy
 
 if TYPE_CHECKING:
@@ -66,7 +76,7 @@ def register(pool: SlotPool) -> int:
 
 def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.Tensor:
     """Device-mode ``SlotPool.prepare`` (see the module docstring)."""
-    if topk_ids.numel() > pool.num_slots:
+    if min(topk_ids.numel(), layer.num_experts) > pool.num_slots:
         if torch.compiler.is_compiling():
             raise ValueError(
                 f"under torch.compile a device-mode call may hold at most num_slots={pool.num_slots} ids (got "
@@ -80,26 +90,54 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
         keys = local_keys(layer, topk_ids.cpu().numpy())  # prefill: a sync is cheap here
         if len(keys) > pool.num_slots:
             raise CacheCapacityError(len(keys), pool.num_slots)
+    return _run(pool, layer, topk_ids.contiguous(), pool.no_passes, 0)
+
+
+def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Device-mode ``SlotPool.passes``: slot ids of each pass (see the module docstring)."""
+    count = max_passes(topk_ids.numel(), layer.num_experts, pool.num_slots)
+    if count == 1:
+        yield prepare(pool, layer, topk_ids)
+        return
+    ids = topk_ids.contiguous()
+    with torch.inference_mode(False):
+        pass_of = torch.empty(ids.shape, dtype=torch.int32, device=pool.device)
+    for index in range(count):
+        yield _run(pool, layer, ids, pass_of, index)
+
+
+def _run(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Tensor, index: int) -> torch.Tensor:
     # Eagerly the implementation runs directly (the dispatcher costs ~10 us a call);
     # torch.compile sees the custom op.
     run = torch.ops.expertcache.prepare_on_device if torch.compiler.is_compiling() else _admit_and_copy
-    return run(topk_ids.contiguous(), pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index)
+    return run(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index)
 
 
 def _admit_and_copy(
-    topk_ids: torch.Tensor, state: torch.Tensor, slots: list[torch.Tensor], pool: int, layer: int
+    topk_ids: torch.Tensor,
+    state: torch.Tensor,
+    slots: list[torch.Tensor],
+    pool: int,
+    layer: int,
+    pass_of: torch.Tensor,
+    pass_index: int,
 ) -> torch.Tensor:
+    """One call (``pass_of`` empty) or one pass of a call: admission, then copies."""
     owner = _POOLS[pool]
     entry = owner.ordered_layers[layer]
     tables = owner.tables if state.data_ptr() == owner.tables.buffer.data_ptr() else _view_like(owner.tables, state)
     out = torch.empty_like(topk_ids)
     named = dict(zip(owner.tensors, slots, strict=True))
+    passes = pass_of if pass_of.numel() else None
+    where = dict(num_global=entry.num_global, key_offset=entry.key_offset)
     with owner.guard, on_device(owner.device), deferred_interrupts():
         backup = _snapshot(owner, state)
         try:
+            if passes is not None and pass_index == 0:
+                assign_passes(tables, topk_ids, entry.global_to_local, passes, **where)
             admit(
-                tables, topk_ids, entry.global_to_local, out,
-                num_global=entry.num_global, key_offset=entry.key_offset, layer=entry.index,
+                tables, topk_ids, entry.global_to_local, out, layer=entry.index, passes=passes, pass_index=pass_index,
+                **where,
             )  # fmt: skip
             copy_with_kernel(named, entry.store, tables.plan, entry.copy_groups)
         except BaseException:
@@ -109,11 +147,13 @@ def _admit_and_copy(
     return out
 
 
-_op = torch.library.custom_op("expertcache::prepare_on_device", _admit_and_copy, mutates_args=("state", "slots"))
+_op = torch.library.custom_op(
+    "expertcache::prepare_on_device", _admit_and_copy, mutates_args=("state", "slots", "pass_of")
+)
 
 
 @_op.register_fake
-def _(topk_ids: torch.Tensor, state: torch.Tensor, slots: list[torch.Tensor], pool: int, layer: int) -> torch.Tensor:
+def _(topk_ids, state, slots, pool, layer, pass_of, pass_index) -> torch.Tensor:
     return torch.empty_like(topk_ids)
 
 

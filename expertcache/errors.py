@@ -23,8 +23,8 @@ class CacheCapacityError(ValueError):
         super().__init__(
             f"this call needs {needed} distinct experts resident at once{place}, but the expert "
             f"cache has only {num_slots} slots; raise the cache size to at least {needed} "
-            f"(--moe-expert-cache-size {needed}, or cache_size={needed}), or split the batch "
-            f"into smaller calls"
+            f"(--moe-expert-cache-size {needed}, or cache_size={needed}), or serve the call "
+            f"in expert-group passes (provider.passes(topk_ids))"
         )
 
 

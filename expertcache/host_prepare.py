@@ -11,6 +11,9 @@ One call, each step after the first able to fail without leaving a trace::
             ids remapped to slots                                            -+
     tell    the policy hears of the call (`call_plan.tell_policy`)
 
+A call of more keys than slots runs as expert-group passes (`passes`, `expertcache.passes`),
+each of them such a call of its group's keys.
+
 ``SIGINT`` is held from plan to tell (`call_guards.deferred_interrupts`); an exception
 there restores the slots the plan overwrote (`mover.restore_slots`), the tables and
 counters (from the bytes read in step one), and makes the policy forget the call
@@ -31,6 +34,7 @@ from expertcache.errors import CacheCapacityError
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.commit import commit_plan
 from expertcache.mover import copy_with_engine, copy_with_kernel, restore_slots
+from expertcache.passes import group_passes
 
 if TYPE_CHECKING:
     from expertcache.slot_pool import PoolLayer, SlotPool
@@ -55,36 +59,91 @@ class ForwardTracker:
 
 def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.Tensor:
     """Host-mode ``SlotPool.prepare`` (see the module docstring)."""
-    if torch.compiler.is_compiling():
-        raise RuntimeError("host mode reads ids on the host and cannot be compiled; use mode='device'")
+    _check_not_compiling()
     with pool.guard, on_device(pool.device):
         ids_host, committed = _read(pool, topk_ids)
-        table = committed[: pool.tables.num_keys * 4].view(np.int32)  # expert_to_slot, as it was
         keys = local_keys(layer, ids_host)
         if len(keys) > pool.num_slots:
             raise CacheCapacityError(len(keys), pool.num_slots)
-        ids = topk_ids.contiguous()
-        out = torch.empty_like(ids)
-        starts_forward = pool.forward.starts_forward(layer.name)
-        policy = pool.policy
-        assert policy is not None  # a host-mode pool always has one
-        with deferred_interrupts():
-            plan = plan_call(
-                keys, table[keys].tolist(), slot_of=lambda key: int(table[cast(int, key)]),
-                free_slots=lambda: _free_slots(table, pool.num_slots), policy=policy, starts_forward=starts_forward,
-            )  # fmt: skip
-            try:
-                _upload(pool, layer, plan)
-                _move(pool, layer, plan)
-                _commit(pool, layer, plan, ids, out)
-            except BaseException:  # even a launch that raised after it ran leaves nothing behind
-                restore_slots(pool.tensors, plan.loads, pool.store_of)
-                pool.tables.committed.copy_(torch.from_numpy(committed))
-                policy.abort_call()
-                raise
+        return _serve(pool, layer, topk_ids.contiguous(), keys, committed)
+
+
+def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Host-mode ``SlotPool.passes``: slot ids of each expert-group pass (`expertcache.passes`).
+
+    The groups come from the state read for pass 0; every pass is then an ordinary call
+    of its group's keys (read, plan, move, commit, tell), so each one is atomic and a
+    pass never relies on state read before an earlier pass ran.
+    """
+    _check_not_compiling()
+    ids = topk_ids.contiguous()
+    with pool.guard, on_device(pool.device):
+        ids_host, committed = _read(pool, ids)
+        keys = local_keys(layer, ids_host)
+        table = _expert_to_slot(pool, committed)
+        groups = group_passes(keys, [bool(table[key] >= 0) for key in keys], pool.num_slots)
+        if len(groups) == 1:
+            only = _serve(pool, layer, ids, keys, committed)
+    if len(groups) == 1:
+        yield only
+        return
+    group_of = np.zeros(layer.key_offset + layer.num_experts, dtype=np.int32)
+    for index, group in enumerate(groups):
+        group_of[list(group)] = index
+    local = layer.global_to_local_host[ids_host.reshape(-1)]
+    pass_host = np.where(local >= 0, group_of[np.maximum(local, 0) + layer.key_offset], 0).astype(np.int32)
+    pass_of = torch.from_numpy(pass_host.reshape(ids.shape)).to(pool.device)
+    for index, group in enumerate(groups):
+        with pool.guard, on_device(pool.device):
+            if index > 0:
+                _, committed = _read(pool, None)
+            out = _serve(pool, layer, ids, list(group), committed, passes=(pass_of, index))
+        yield out
+
+
+def _serve(
+    pool: SlotPool,
+    layer: PoolLayer,
+    ids: torch.Tensor,
+    keys: list[int],
+    committed: np.ndarray,
+    passes: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """Plan, move, commit and tell one call (or pass) of ``keys`` on the state ``committed``."""
+    table = _expert_to_slot(pool, committed)
+    out = torch.empty_like(ids)
+    first_pass = passes is None or passes[1] == 0
+    starts_forward = first_pass and pool.forward.starts_forward(layer.name)
+    policy = pool.policy
+    assert policy is not None  # a host-mode pool always has one
+    with deferred_interrupts():
+        plan = plan_call(
+            keys, table[keys].tolist(), slot_of=lambda key: int(table[cast(int, key)]),
+            free_slots=lambda: _free_slots(table, pool.num_slots), policy=policy, starts_forward=starts_forward,
+        )  # fmt: skip
+        try:
+            _upload(pool, layer, plan)
+            _move(pool, layer, plan)
+            _commit(pool, layer, plan, ids, out, passes)
+        except BaseException:  # even a launch that raised after it ran leaves nothing behind
+            restore_slots(pool.tensors, plan.loads, pool.store_of)
+            pool.tables.committed.copy_(torch.from_numpy(committed))
+            policy.abort_call()
+            raise
+        if first_pass:
             pool.forward.record(layer.name)
-            tell_policy(plan, policy)
-        return out
+        tell_policy(plan, policy)
+    return out
+
+
+def _check_not_compiling() -> None:
+    if torch.compiler.is_compiling():
+        raise RuntimeError("host mode reads ids on the host and cannot be compiled; use mode='device'")
+
+
+def _expert_to_slot(pool: SlotPool, committed: np.ndarray) -> np.ndarray:
+    """``expert_to_slot`` as it was when ``committed`` was read (the state bytes lead with it)."""
+    return committed[: pool.tables.num_keys * 4].view(np.int32)
 
 
 def local_keys(layer: PoolLayer, ids_host: np.ndarray) -> list[int]:
@@ -103,16 +162,17 @@ def local_keys(layer: PoolLayer, ids_host: np.ndarray) -> list[int]:
     return (local[np.sort(first)] + layer.key_offset).tolist()
 
 
-def _read(pool: SlotPool, topk_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """``topk_ids`` and the committed state (tables and counters, as bytes) on the host: the
-    call's one sync. The state is what the planner reads and what a rollback restores."""
+def _read(pool: SlotPool, topk_ids: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+    """``topk_ids`` (when given) and the committed state (tables and counters, as bytes) on
+    the host: the call's one sync. The state is what the planner reads and what a rollback
+    restores."""
     committed = pool.tables.committed
     if pool.device.type != "cuda":
-        return topk_ids.numpy(), committed.numpy().copy()
-    ids_host = topk_ids.to("cpu", non_blocking=True)
+        return (np.empty(0) if topk_ids is None else topk_ids.numpy()), committed.numpy().copy()
+    ids_host = None if topk_ids is None else topk_ids.to("cpu", non_blocking=True)
     committed_host = committed.to("cpu", non_blocking=True)
     torch.cuda.current_stream(pool.device).synchronize()
-    return ids_host.numpy(), committed_host.numpy()
+    return (np.empty(0) if ids_host is None else ids_host.numpy()), committed_host.numpy()
 
 
 def _free_slots(table: np.ndarray, num_slots: int) -> Iterator[int]:
@@ -145,9 +205,18 @@ def _move(pool: SlotPool, layer: PoolLayer, plan: CallPlan) -> None:
     copy_with_kernel(pool.tensors, layer.store, pool.tables.plan, layer.copy_groups)
 
 
-def _commit(pool: SlotPool, layer: PoolLayer, plan: CallPlan, ids: torch.Tensor, out: torch.Tensor) -> None:
+def _commit(
+    pool: SlotPool,
+    layer: PoolLayer,
+    plan: CallPlan,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    passes: tuple[torch.Tensor, int] | None,
+) -> None:
+    pass_of, pass_index = passes if passes is not None else (None, 0)
     commit_plan(
         pool.tables, ids, layer.global_to_local, out,
         counts=(len(plan.hits), len(plan.loads), len(plan.evictions)), has_plan=bool(plan.loads),
         num_global=layer.num_global, key_offset=layer.key_offset, layer=layer.index,
+        passes=pass_of, pass_index=pass_index,
     )  # fmt: skip

@@ -40,7 +40,7 @@ class PlanRow:
         misses_per_token: misses per token, over ``model_layers`` layers.
         gb_per_token: GB (1e9 bytes) copied host -> GPU per token.
         tokens_per_second: ``bandwidth / bytes per token`` (None without a bandwidth).
-        split_calls: calls with more distinct experts than ``slots`` (run in parts).
+        split_calls: calls with more distinct experts than ``slots`` (run in expert-group passes).
     """
 
     scope: str

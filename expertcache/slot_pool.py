@@ -8,7 +8,8 @@ moves, so CUDA graphs and engines may keep the addresses::
     tensors  {name: [S, *shape]}         contiguous slot tensors, one allocation each: what kernels read
     tables   `SlotTables`                expert <-> slot, counters, plan: the only state
 
-``prepare(layer, topk_ids)`` = plan, move, commit + remap::
+``prepare(layer, topk_ids)`` = plan, move, commit + remap (``passes``: the same per
+expert-group pass, for calls of more experts than slots)::
 
     host mode    ids and tables read on the host (one sync) -> any policy plans (call_plan)
                  -> copy engine moves -> commit kernel applies the plan, counts, remaps
@@ -22,7 +23,7 @@ was (`expertcache.host_prepare`, `expertcache.device_prepare`). Free slots hold 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,6 +115,8 @@ class SlotPool:
         self.copy_expert: CopyExpert = copy_pairs
         self.forward = host_prepare.ForwardTracker()
         self.backup: torch.Tensor | None = None  # device mode: the state before the call in flight
+        with torch.inference_mode(False):
+            self.no_passes = torch.empty(0, dtype=torch.int32, device=self.device)  # a call of one pass
         self.op_id = device_prepare.register(self)
         self.policy = chosen  # claimed by the first attach, so a pool that never serves binds nothing
 
@@ -201,6 +204,31 @@ class SlotPool:
         slot_ids = run(self, layer, topk_ids)
         self._started = True  # the tables now hold state: they keep their addresses
         return slot_ids
+
+    def passes(self, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Serve a call of any size in expert-group passes (`expertcache.passes`).
+
+        Args:
+            layer, topk_ids: as in `prepare` (checked before this returns).
+
+        Returns:
+            An iterator of ``[T, K]`` slot ids, one per pass: this pass's ids remapped,
+            -1 for the ids of other passes (and for other ranks' experts). Host mode takes
+            ``ceil(distinct experts / S)`` passes; device mode always
+            `expertcache.passes.max_passes` (no sync; the unneeded ones are empty). Each
+            pass is atomic: an error leaves the pool as it was before that pass. A pass's
+            slots hold its experts until the next pass (or ``prepare``) on this pool.
+        """
+        if self.layers.get(layer.name) is not layer:
+            raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
+        check_topk_ids(topk_ids, self.device)
+        run = device_prepare.passes if self.mode == "device" else host_prepare.passes
+        return self._started_by(run(self, layer, topk_ids))
+
+    def _started_by(self, slot_ids: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+        for ids in slot_ids:
+            self._started = True
+            yield ids
 
     # -- read-only views (they read the device tables: call them outside CUDA graphs) -------
 

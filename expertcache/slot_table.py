@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 
 from expertcache.call_plan import CallPlan, plan_call, tell_policy
 from expertcache.errors import CacheCapacityError
+from expertcache.passes import group_passes
 from expertcache.policies import EvictionPolicy, Key, claim_policy
 
 
@@ -79,6 +80,20 @@ class SlotTable:
             self._filled = max(self._filled, load.slot + 1)
         tell_policy(plan, self.policy)
         return plan
+
+    def admit_passes(self, keys: Iterable[Key]) -> list[CallPlan]:
+        """Admit one call of any size in expert-group passes, as the runtime serves it.
+
+        Args:
+            keys: the call's keys in use order; repeats are allowed and ignored.
+
+        Returns:
+            One `CallPlan` per pass (`expertcache.passes.group_passes` on the table's
+            state): one when the call fits.
+        """
+        unique = list(dict.fromkeys(keys))
+        groups = group_passes(unique, [key in self._slot_of for key in unique], self.num_slots)
+        return [self.admit(group) for group in groups]
 
     def _free_slots(self) -> Iterator[int]:
         return iter(range(self._filled, self.num_slots))

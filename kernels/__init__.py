@@ -7,7 +7,8 @@ validates its inputs and picks the grid, and a pure-torch reference named ``*_to
     admission.py     admit / admit_torch               device-mode LRU: plan, commit, slot ids
     commit.py        commit_plan / commit_plan_torch   host mode: apply the host's plan, slot ids
     copy_experts.py  copy_experts / copy_experts_torch plan-driven copies from mapped pinned memory
-    expert_apply.py  moe_apply / moe_apply_torch       slot-indexed SiLU-gated expert MLP
+    expert_apply.py  moe_apply / moe_apply_torch       slot-indexed SiLU-gated expert MLP (GEMV, decode)
+    grouped_apply.py moe_apply_grouped, moe_apply_auto the same MLP as grouped GEMMs (many tokens)
     slot_tables.py   SlotTables: the state the cache kernels read and write
 
 No kernel uses ``@triton.autotune`` (it needs a GPU driver): block sizes are chosen by the
@@ -15,6 +16,7 @@ launcher, so the kernels also run under ``TRITON_INTERPRET=1`` on a CPU.
 """
 
 from expertcache.kernels.expert_apply import moe_apply, moe_apply_torch
+from expertcache.kernels.grouped_apply import moe_apply_grouped
 from expertcache.kernels.remap import remap_topk_ids, remap_topk_ids_torch
 
-__all__ = ["moe_apply", "moe_apply_torch", "remap_topk_ids", "remap_topk_ids_torch"]
+__all__ = ["moe_apply", "moe_apply_grouped", "moe_apply_torch", "remap_topk_ids", "remap_topk_ids_torch"]

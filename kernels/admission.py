@@ -14,6 +14,8 @@ It updates the tables (`expertcache.kernels.slot_tables`), writes the plan that 
 kernel executes, and the slot ids (through the shared `lookup_slots`). A call with more
 distinct local experts than slots changes nothing: its ids come out -1, the plan is empty
 and the layer's ``overflows`` counter counts it (the host-visible path raises instead).
+Given a pass tensor (`expertcache.kernels.passes`), the call is one expert-group pass:
+only the positions of that pass, each group at most ``S`` keys, so it always fits.
 
 Two kernels, one contract:
 
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import runs_on
+from expertcache.kernels.passes import in_pass
 from expertcache.kernels.remap import lookup_slots
 from expertcache.kernels.slot_tables import FIRST_SEEN_EMPTY, SlotTables, add_counts
 
@@ -79,14 +82,16 @@ def _list_miss(plan_ptr, miss_stamp_ptr, miss_ordinal, local, key, stamp, is_mis
 def _admit_small_kernel(
     ids_ptr, global_to_local_ptr, out_ptr,
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, plan_ptr, miss_stamp_ptr, counters_ptr,
-    num_ids, num_global, num_slots, key_offset, layer,
+    pass_ptr, num_ids, num_global, num_slots, key_offset, layer, pass_index,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
+    HAS_PASSES: tl.constexpr,
 ):  # fmt: skip
     base = tl.load(clock_ptr)
     positions = tl.arange(0, BLOCK_IDS)
     in_bounds = positions < num_ids
+    in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
     local, key, is_local, invalid, slot = lookup_slots(
-        ids_ptr, positions, in_bounds, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
+        ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
     )
     same = (key[:, None] == key[None, :]) & is_local[:, None] & is_local[None, :]
     earlier = same & (positions[None, :] < positions[:, None])
@@ -117,7 +122,8 @@ def _admit_small_kernel(
         tl.store(out_ptr + positions, tl.where(is_local, slot, -1).to(out_ptr.dtype.element_ty), mask=in_bounds)
         tl.store(plan_ptr, num_misses)
         tl.store(clock_ptr, base + num_unique.to(tl.int64))
-        add_counts(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, 1, num_invalid, 0)
+        calls = tl.where(pass_index == 0, 1, 0)
+        add_counts(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, calls, num_invalid, 0)
     else:
         tl.store(out_ptr + positions, tl.full([BLOCK_IDS], -1, out_ptr.dtype.element_ty), mask=in_bounds)
         tl.store(plan_ptr, 0)
@@ -128,8 +134,9 @@ def _admit_small_kernel(
 def _admit_kernel(
     ids_ptr, global_to_local_ptr, out_ptr,
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, first_seen_ptr, plan_ptr, miss_stamp_ptr,
-    counters_ptr, num_ids, num_global, num_slots, key_offset, layer,
+    counters_ptr, pass_ptr, num_ids, num_global, num_slots, key_offset, layer, pass_index,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
+    HAS_PASSES: tl.constexpr,
 ):  # fmt: skip
     base = tl.load(clock_ptr)
     # 1: first position of every key in the call, and how many keys and bad ids there are
@@ -137,8 +144,9 @@ def _admit_kernel(
     for start in range(0, num_ids, BLOCK_IDS):
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
+        in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
         _, key, is_local, invalid, _ = lookup_slots(
-            ids_ptr, positions, in_bounds, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
+            ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
         )
         tl.atomic_min(first_seen_ptr + key, positions, mask=is_local)
         num_invalid += tl.sum(invalid.to(tl.int32), axis=0)
@@ -147,8 +155,9 @@ def _admit_kernel(
     for start in range(0, num_ids, BLOCK_IDS):
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
+        in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
         _, key, is_local, _, _ = lookup_slots(
-            ids_ptr, positions, in_bounds, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
+            ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
         )
         first = tl.load(first_seen_ptr + key, mask=is_local, other=-1)
         num_unique += tl.sum((is_local & (first == positions)).to(tl.int32), axis=0)
@@ -161,8 +170,9 @@ def _admit_kernel(
         for start in range(0, num_ids, BLOCK_IDS):
             positions = start + tl.arange(0, BLOCK_IDS)
             in_bounds = positions < num_ids
+            in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
             local, key, is_local, _, slot = lookup_slots(
-                ids_ptr, positions, in_bounds, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset,
+                ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset,
                 HAS_MAP,
             )  # fmt: skip
             first = tl.load(first_seen_ptr + key, mask=is_local, other=-1)
@@ -190,8 +200,9 @@ def _admit_kernel(
     for start in range(0, num_ids, BLOCK_IDS):
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
+        in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
         _, key, is_local, _, slot = lookup_slots(
-            ids_ptr, positions, in_bounds, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
+            ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
         )
         slot = tl.where(fits, slot, -1)
         tl.store(out_ptr + positions, slot.to(out_ptr.dtype.element_ty), mask=in_bounds)
@@ -200,7 +211,8 @@ def _admit_kernel(
     if fits:
         tl.store(plan_ptr, num_misses)
         tl.store(clock_ptr, base + num_unique.to(tl.int64))
-        add_counts(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, 1, num_invalid, 0)
+        calls = tl.where(pass_index == 0, 1, 0)
+        add_counts(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, calls, num_invalid, 0)
     else:
         tl.store(plan_ptr, 0)
         add_counts(counters_ptr, layer, 0, 0, 0, 0, num_invalid, 1)
@@ -215,6 +227,8 @@ def admit(
     num_global: int,
     key_offset: int,
     layer: int,
+    passes: torch.Tensor | None = None,
+    pass_index: int = 0,
     num_warps: int | None = None,
 ) -> None:
     """Admit one call on the device: update ``tables``, write the plan and the slot ids.
@@ -229,6 +243,10 @@ def admit(
         num_global: valid ids are ``[0, num_global)``.
         key_offset: first key of this layer.
         layer: row of ``tables.counters`` to count into.
+        passes: optional ``[T, K]`` int32 pass of each position (`expertcache.kernels.passes`):
+            the call is then only the positions of pass ``pass_index`` (the others come out
+            -1 and count nowhere), and only pass 0 counts as a call.
+        pass_index: the pass to admit.
         num_warps: of the launch (default: measured best for the kernel).
     """
     if not runs_on(topk_ids):
@@ -241,17 +259,21 @@ def admit(
     has_map = global_to_local is not None
     mapping = global_to_local if has_map else topk_ids
     common = dict(BLOCK_SLOTS=block_slots, SLOT_BITS=max(1, (block_slots - 1).bit_length()), HAS_MAP=has_map)
+    if passes is not None and (passes.dtype != torch.int32 or passes.shape != topk_ids.shape):
+        raise ValueError("passes must be an int32 tensor shaped like topk_ids")
+    common["HAS_PASSES"] = passes is not None
+    pass_of = passes if passes is not None else out
     state = (tables.expert_to_slot, tables.slot_to_key, tables.last_use, tables.clock)
     if num_ids <= SMALL_CALL:
         _admit_small_kernel[(1,)](
             topk_ids, mapping, out, *state, tables.plan, tables.miss_stamp, tables.counters,
-            num_ids, num_global, num_slots, key_offset, layer,
+            pass_of, num_ids, num_global, num_slots, key_offset, layer, pass_index,
             BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=num_warps or 4, **common,
         )  # fmt: skip
     else:
         _admit_kernel[(1,)](
             topk_ids, mapping, out, *state, tables.first_seen, tables.plan, tables.miss_stamp, tables.counters,
-            num_ids, num_global, num_slots, key_offset, layer,
+            pass_of, num_ids, num_global, num_slots, key_offset, layer, pass_index,
             BLOCK_IDS=min(1024, triton.next_power_of_2(num_ids)),
             num_warps=num_warps or (4 if block_slots <= 1024 else 8), **common,
         )  # fmt: skip
@@ -266,15 +288,19 @@ def admit_torch(
     num_global: int,
     key_offset: int,
     layer: int,
+    passes: torch.Tensor | None = None,
+    pass_index: int = 0,
 ) -> None:
     """Reference of `admit`, one key at a time in Python (same tables, plan and counters)."""
     flat = topk_ids.reshape(-1).tolist()
+    in_call = [True] * len(flat) if passes is None else [p == pass_index for p in passes.reshape(-1).tolist()]
     mapping = None if global_to_local is None else global_to_local.tolist()
     keys: list[int | None] = []
-    for value in flat:
-        local = -1 if not 0 <= value < num_global else (value if mapping is None else mapping[value])
+    for value, wanted in zip(flat, in_call, strict=True):
+        local = -1 if not (wanted and 0 <= value < num_global) else (value if mapping is None else mapping[value])
         keys.append(None if local < 0 else key_offset + local)
-    invalid = sum(not 0 <= value < num_global for value in flat)
+    invalid = sum(wanted and not 0 <= value < num_global for value, wanted in zip(flat, in_call, strict=True))
+    calls = int(pass_index == 0)
     unique = list(dict.fromkeys(key for key in keys if key is not None))
     row = tables.counters[layer]
     if len(unique) > tables.num_slots:
@@ -305,4 +331,4 @@ def admit_torch(
     tables.clock[0] = base + len(unique)
     slots = [-1 if key is None else int(e2s[key]) for key in keys]
     out.copy_(torch.tensor(slots, dtype=out.dtype).view(out.shape))
-    row += torch.tensor([len(unique) - len(misses), len(misses), evictions, 1, invalid, 0], device=row.device)
+    row += torch.tensor([len(unique) - len(misses), len(misses), evictions, calls, invalid, 0], device=row.device)

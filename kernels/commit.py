@@ -8,6 +8,9 @@ the plan's copies are enqueued, this one launch makes the decisions true on the 
     counters[layer] += (hits, misses, evictions, 1 call)
     out = slot ids of topk_ids                                   (the shared `lookup_slots`)
 
+An expert-group pass (`expertcache.passes`) commits like a call; only its positions get
+slot ids and only pass 0 counts as a call.
+
 A call without misses skips the plan (``HAS_PLAN=False``): the launch only counts and remaps.
 """
 
@@ -18,15 +21,17 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import runs_on
+from expertcache.kernels.passes import in_pass
 from expertcache.kernels.remap import lookup_slots
 from expertcache.kernels.slot_tables import SlotTables, add_counts
 
 
 @triton.jit
 def _commit_kernel(
-    plan_ptr, expert_to_slot_ptr, slot_to_key_ptr, counters_ptr, ids_ptr, global_to_local_ptr, out_ptr,
-    num_ids, num_global, num_keys, num_slots, key_offset, layer, hits, misses, evictions,
+    plan_ptr, expert_to_slot_ptr, slot_to_key_ptr, counters_ptr, ids_ptr, global_to_local_ptr, out_ptr, pass_ptr,
+    num_ids, num_global, num_keys, num_slots, key_offset, layer, hits, misses, evictions, calls, pass_index,
     BLOCK_SLOTS: tl.constexpr, BLOCK_IDS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_PLAN: tl.constexpr,
+    HAS_PASSES: tl.constexpr,
 ):  # fmt: skip
     if HAS_PLAN:
         count = tl.minimum(tl.load(plan_ptr), num_slots)
@@ -41,12 +46,13 @@ def _commit_kernel(
         tl.store(expert_to_slot_ptr + key, slot, mask=ok)
         tl.store(slot_to_key_ptr + slot, key, mask=ok)
         tl.debug_barrier()
-    add_counts(counters_ptr, layer, hits, misses, evictions, 1, 0, 0)
+    add_counts(counters_ptr, layer, hits, misses, evictions, calls, 0, 0)
     for start in range(0, num_ids, BLOCK_IDS):
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
+        in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
         _, _, _, _, found = lookup_slots(
-            ids_ptr, positions, in_bounds, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
+            ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
         )
         tl.store(out_ptr + positions, found.to(out_ptr.dtype.element_ty), mask=in_bounds)
 
@@ -62,6 +68,8 @@ def commit_plan(
     num_global: int,
     key_offset: int,
     layer: int,
+    passes: torch.Tensor | None = None,
+    pass_index: int = 0,
 ) -> None:
     """Apply ``tables.plan`` (when ``has_plan``), count, and write slot ids into ``out``.
 
@@ -72,24 +80,26 @@ def commit_plan(
         out: ``[T, K]`` contiguous, receives slot ids (-1: another rank's expert).
         counts: ``(hits, misses, evictions)`` of the call.
         has_plan: whether the call has misses (``tables.plan`` was uploaded).
-        num_global, key_offset, layer: as in `expertcache.kernels.admission.admit`.
+        num_global, key_offset, layer, passes, pass_index: as in
+            `expertcache.kernels.admission.admit` (positions of other passes come out -1).
 
     On a CPU tensor without ``TRITON_INTERPRET=1`` the torch reference runs instead.
     """
     if not runs_on(topk_ids):
         commit_plan_torch(
             tables, topk_ids, global_to_local, out, counts=counts, has_plan=has_plan,
-            num_global=num_global, key_offset=key_offset, layer=layer,
+            num_global=num_global, key_offset=key_offset, layer=layer, passes=passes, pass_index=pass_index,
         )  # fmt: skip
         return
     hits, misses, evictions = counts
     mapping = global_to_local if global_to_local is not None else topk_ids
     _commit_kernel[(1,)](
         tables.plan, tables.expert_to_slot, tables.slot_to_key, tables.counters, topk_ids, mapping, out,
-        topk_ids.numel(), num_global, tables.num_keys, tables.num_slots, key_offset, layer, hits, misses, evictions,
+        passes if passes is not None else out, topk_ids.numel(), num_global, tables.num_keys, tables.num_slots,
+        key_offset, layer, hits, misses, evictions, int(pass_index == 0), pass_index,
         BLOCK_SLOTS=max(16, triton.next_power_of_2(tables.num_slots)),
         BLOCK_IDS=min(1024, max(16, triton.next_power_of_2(topk_ids.numel()))),
-        HAS_MAP=global_to_local is not None, HAS_PLAN=has_plan, num_warps=4,
+        HAS_MAP=global_to_local is not None, HAS_PLAN=has_plan, HAS_PASSES=passes is not None, num_warps=4,
     )  # fmt: skip
 
 
@@ -104,6 +114,8 @@ def commit_plan_torch(
     num_global: int,
     key_offset: int,
     layer: int,
+    passes: torch.Tensor | None = None,
+    pass_index: int = 0,
 ) -> None:
     """Reference of `commit_plan` in torch indexing."""
     if has_plan:
@@ -114,9 +126,12 @@ def commit_plan_torch(
         tables.expert_to_slot[keys] = slots.to(torch.int32)
         tables.slot_to_key[slots] = keys.to(torch.int32)
     hits, misses, evictions = counts
-    tables.counters[layer] += torch.tensor([hits, misses, evictions, 1, 0, 0], device=tables.counters.device)
+    calls = int(pass_index == 0)
+    tables.counters[layer] += torch.tensor([hits, misses, evictions, calls, 0, 0], device=tables.counters.device)
     ids = topk_ids.long()
     valid = (ids >= 0) & (ids < num_global)
+    if passes is not None:
+        valid &= passes == pass_index
     safe = torch.where(valid, ids, 0)
     local = safe if global_to_local is None else global_to_local.long()[safe]
     is_local = valid & (local >= 0)

@@ -77,7 +77,7 @@ def test_cli_prints_table_recommendation_csv_and_plot(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "recommendation: --moe-expert-cache-size 3" in out
-    assert "warning" in out  # the 10-token prefill needs more than 3 distinct experts
+    assert "expert-group passes" in out  # the 10-token prefill needs more than 3 distinct experts
     assert "belady" in out and "unbnd" in out
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = list(csv.DictReader(open(tmp_path / "plan.csv")))

@@ -22,11 +22,14 @@ def test_a_key_of_the_current_call_is_never_evicted():
     assert (result.hits, result.evictions) == (2, 1)
 
 
-def test_oversize_calls_are_split_or_refused():
+def test_oversize_calls_run_in_passes_or_are_refused():
     calls = [[0, 1, 2, 3, 4], [0]]
     split = replay(calls, policy="lru", capacity=2)
-    assert split.split_calls == 1 and split.calls == 4  # chunks [0,1] [2,3] [4], then [0]
+    assert split.split_calls == 1 and split.calls == 4  # passes [0,1] [2,3] [4], then [0]
     assert (split.hits, split.misses) == (0, 6)
+    # resident keys go first: after [3, 4], the call [0..4] serves 3 and 4 in pass 0 (no copy)
+    warm = replay([[3, 4], [0, 1, 2, 3, 4]], policy="lru", capacity=2)
+    assert (warm.hits, warm.misses, warm.calls) == (2, 5, 4)  # [3,4] | [3,4] [0,1] [2]
     with pytest.raises(CacheCapacityError, match="call 0"):
         replay(calls, policy="lru", capacity=2, oversize="raise")
 

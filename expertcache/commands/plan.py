@@ -176,9 +176,9 @@ def recommendation(result: Plan, num_experts: int, layers: int) -> str:
     warning = ""
     if layer.split_calls:
         warning = (
-            f"\n  warning: {layer.split_calls} calls of the trace need more distinct experts than "
-            f"{result.layer_cache_size} slots; the simulation ran them in parts, the runtime "
-            "refuses them (CacheCapacityError): split such batches or raise the cache size."
+            f"\n  note: {layer.split_calls} calls of the trace need more distinct experts than "
+            f"{result.layer_cache_size} slots; they run in expert-group passes (counted as the "
+            "runtime copies them), each pass reloading what the last one evicted."
         )
     return (
         f"recommendation: --moe-expert-cache-size {result.layer_cache_size} "

@@ -17,8 +17,8 @@ Two cases the provider alone does not take:
 * ``-1`` ids (padding rows, dropped tokens) skip, as in `moe_forward`: they are replaced by
   an id the call already uses before ``prepare`` (so they add no lookup) and set back to -1
   afterwards, all on the device.
-* More distinct local experts than slots (a prefill): the experts are served in groups of
-  at most ``num_slots``, in first-appearance order, one ``prepare`` per group. Each
+* More distinct local experts than slots (a prefill): the call runs in expert-group passes
+  (`expertcache.passes`, the strategy of every runtime path and of the simulator). Each
   expert still meets the same rows in the same order, so the result is unchanged.
 """
 
@@ -26,11 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 from expertcache.cached_provider import CachedWeightProvider
-from expertcache.errors import CacheCapacityError
 from expertcache.parallel.collectives import PendingWork
 from expertcache.parallel.partition import ExpertPartition
 from expertcache.policies import EvictionPolicy
@@ -79,7 +77,6 @@ class LocalExperts:
             expert_map=partition.expert_map(rank),
             pin_budget_bytes=pin_budget_bytes,
         )
-        self._local_of_global = partition.expert_map(rank).numpy().astype(np.int64)
 
     @classmethod
     def from_full_weights(
@@ -129,44 +126,15 @@ class LocalExperts:
             deterministic for identical inputs.
         """
         call_ids = _fill_skips(topk_ids)
-        try:
-            result = self.provider.prepare(call_ids)
-        except CacheCapacityError:
-            return self._outputs_in_groups(hidden, topk_ids, pending)
-        _wait(pending)
-        slot_ids = torch.where(topk_ids == -1, -1, result.topk_ids)
-        return expert_outputs(hidden, result.w1, result.w2, slot_ids, activation=self.activation)
-
-    def _outputs_in_groups(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, pending: PendingWork | None
-    ) -> torch.Tensor:
-        group_of, leaders = self._groups(topk_ids)
-        group_table = torch.from_numpy(group_of).to(self.device)
-        groups = group_table[topk_ids.clamp(min=0).long()].masked_fill(topk_ids < 0, -1)
         out = None
-        for group, leader in enumerate(leaders):
-            member = groups == group
-            # Every other id becomes the group's leader, so the call admits only the group.
-            result = self.provider.prepare(torch.where(member, topk_ids, leader))
-            _wait(pending)
-            slot_ids = torch.where(member, result.topk_ids, -1)
+        for result in self.provider.passes(call_ids):
+            _wait(pending)  # after the first pass's copies are enqueued, before any compute
+            pending = None
+            slot_ids = torch.where(topk_ids == -1, -1, result.topk_ids)
             part = expert_outputs(hidden, result.w1, result.w2, slot_ids, activation=self.activation)
-            out = part if out is None else torch.where(member.unsqueeze(-1), part, out)
-        assert out is not None  # only reached with more local experts than slots
+            out = part if out is None else torch.where((slot_ids >= 0).unsqueeze(-1), part, out)
+        assert out is not None  # a provider yields at least one pass
         return out
-
-    def _groups(self, topk_ids: torch.Tensor) -> tuple[np.ndarray, list[int]]:
-        """The group of each global id this call uses (``[E]`` int64, -1: none of mine)
-        and each group's first expert."""
-        flat = topk_ids.reshape(-1).cpu().numpy()
-        flat = flat[flat >= 0]
-        mine = flat[self._local_of_global[flat] >= 0]
-        _, first = np.unique(mine, return_index=True)
-        in_order = mine[np.sort(first)]
-        size = self.provider.pool.num_slots
-        group_of = np.full(self.partition.num_experts, -1, dtype=np.int64)
-        group_of[in_order] = np.arange(in_order.size) // size
-        return group_of, in_order[::size].tolist()
 
 
 def _fill_skips(topk_ids: torch.Tensor) -> torch.Tensor:

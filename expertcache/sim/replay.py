@@ -3,9 +3,10 @@
 Semantics are the runtime's (see `expertcache.slot_table`): each call's keys are
 deduplicated in first-appearance order, hits and misses count distinct keys per call, and
 no key of the current call is ever evicted. A call with more distinct keys than the
-capacity cannot be admitted at once; an engine would run it in parts, and so does
-``replay`` by default (``oversize="split"``: consecutive chunks of ``capacity`` distinct
-keys, each admitted as its own call, counted in ``split_calls``).
+capacity cannot be admitted at once; the runtime serves it in expert-group passes
+(`expertcache.passes`: resident keys first, then groups of misses), and so does
+``replay`` by default (``oversize="passes"``; such calls are counted in ``split_calls``),
+so simulated copies are the runtime's.
 
 A cache that can hold every distinct key the calls use never evicts, whatever its policy, so
 a named policy runs on a table of ``min(capacity, distinct keys)`` slots: the memory a
@@ -32,7 +33,7 @@ class ReplayResult:
         hits: distinct keys of a call already resident, summed over calls.
         misses: distinct keys of a call that had to be loaded, summed over calls.
         evictions: resident keys dropped to make room.
-        calls: calls admitted (after splitting oversize calls).
+        calls: calls admitted, each expert-group pass of an oversize call counted.
         split_calls: input calls that had more distinct keys than ``capacity``.
     """
 
@@ -67,7 +68,7 @@ def replay(
     policy: str | EvictionPolicy,
     capacity: int,
     forward_starts: Collection[int] | None = None,
-    oversize: Literal["split", "raise"] = "split",
+    oversize: Literal["passes", "raise"] = "passes",
 ) -> ReplayResult:
     """Admit ``calls`` in order into a cache of ``capacity`` keys and count what happened.
 
@@ -78,8 +79,9 @@ def replay(
         capacity: keys the cache holds (slots), at least 1.
         forward_starts: indices into ``calls`` where a forward pass starts (Least-Stale
             ranks by it); default: every call is its own forward pass.
-        oversize: what to do with a call of more distinct keys than ``capacity``:
-            ``"split"`` it into chunks, or ``"raise"`` `CacheCapacityError`.
+        oversize: what to do with a call of more distinct keys than ``capacity``: serve it
+            in expert-group ``"passes"`` (as the runtime does), or ``"raise"``
+            `CacheCapacityError`.
 
     Returns:
         `ReplayResult` with hits, misses, evictions.
@@ -96,20 +98,22 @@ def replay(
         raise ValueError(f"the policy instance was built for capacity {policy.capacity}, the replay has {capacity}")
     admitted, starts, split = _normalize(calls, capacity, forward_starts, oversize)
     if not isinstance(policy, EvictionPolicy):
-        capacity = min(capacity, max(1, len(set().union(*admitted))))  # no eviction beyond this
+        # no eviction beyond this, and no call is larger, so the passes are the same
+        capacity = min(capacity, max(1, len(set().union(*admitted))))
     chosen = make_policy(policy, capacity=capacity)
     if chosen.clairvoyant:
         chosen.set_future(admitted)
     table = SlotTable(capacity, policy=chosen)
-    hits = misses = evictions = 0
+    hits = misses = evictions = passes = 0
     for keys, starts_forward in zip(admitted, starts, strict=True):
         if starts_forward:
             table.begin_forward()
-        admission = table.admit(keys)
-        hits += len(admission.hits)
-        misses += len(admission.loads)
-        evictions += len(admission.evictions)
-    return ReplayResult(hits, misses, evictions, len(admitted), split)
+        for admission in table.admit_passes(keys):
+            hits += len(admission.hits)
+            misses += len(admission.loads)
+            evictions += len(admission.evictions)
+            passes += 1
+    return ReplayResult(hits, misses, evictions, passes, split)
 
 
 def _normalize(
@@ -118,9 +122,9 @@ def _normalize(
     forward_starts: Collection[int] | None,
     oversize: str,
 ) -> tuple[list[tuple[Hashable, ...]], list[bool], int]:
-    """Distinct keys of each call (split to ``capacity``) and whether each starts a pass."""
-    if oversize not in ("split", "raise"):
-        raise ValueError(f"oversize must be 'split' or 'raise', got {oversize!r}")
+    """Distinct keys of each call and whether each starts a forward pass."""
+    if oversize not in ("passes", "raise"):
+        raise ValueError(f"oversize must be 'passes' or 'raise', got {oversize!r}")
     calls = list(calls)
     starts_set = None if forward_starts is None else _call_indices(forward_starts)
     admitted: list[tuple[Hashable, ...]] = []
@@ -133,9 +137,8 @@ def _normalize(
             if oversize == "raise":
                 raise CacheCapacityError(len(unique), capacity, where=f"call {index}")
             split += 1
-        for begin in range(0, max(len(unique), 1), capacity):
-            admitted.append(unique[begin : begin + capacity])
-            starts.append(starts_forward and begin == 0)
+        admitted.append(unique)
+        starts.append(starts_forward)
     return admitted, starts, split
 
 

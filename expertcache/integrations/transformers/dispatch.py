@@ -5,15 +5,19 @@
 registers one more entry there; a served module's config names it, and each call becomes::
 
     hidden [T, H], top_k_index [T, K] (expert ids), top_k_weights [T, K]
-      -> provider.prepare(top_k_index)           misses copied into slots, ids -> slot ids
+      -> provider.passes(top_k_index)            misses copied into slots, ids -> slot ids
       -> SlotView(module): the module with its per-expert parameters replaced by the slot
          buffers ([S, ...]) and num_experts by S
       -> the implementation the module used before (eager, grouped_mm, batched_mm, ...),
-         unchanged, on the SlotView with the slot ids
+         unchanged, on the SlotView with the slot ids; summed over the passes
 
 so transformers' own expert computation runs on the slots: the cache is a weight provider,
 not a second forward path. A call whose tokens need more distinct experts than there are
-slots runs as token pieces (`expertcache.chunking`).
+slots runs in expert-group passes (`expertcache.passes`): the strategy of the simulator and
+the EP layer too, each expert copied at most once per call. transformers' implementations
+do not skip -1 ids, so in each pass only the tokens with an id of that pass run (eagerly;
+inside a CUDA graph every token runs), the other passes' ids pointed at one of this pass's
+slots and weighted 0.
 """
 
 from __future__ import annotations
@@ -28,8 +32,7 @@ import torch
 from torch import nn
 
 from expertcache.cached_provider import CachedWeightProvider
-from expertcache.chunking import split_to_capacity
-from expertcache.errors import CacheCapacityError
+from expertcache.result import ExpertWeightResult
 from expertcache.trace.recorder import RoutingRecorder
 
 #: The name under which the cache is registered in transformers' experts registry.
@@ -128,29 +131,45 @@ def expertcache_experts_forward(
         )
     if binding.recorder is not None:
         binding.recorder.record(binding.layer, top_k_index)
-    try:
-        return _run(binding, self, hidden_states, top_k_index, top_k_weights)
-    except CacheCapacityError:
-        # More distinct experts than slots (a prefill): the cache is unchanged; run the
-        # tokens in pieces that fit. Each token's output depends only on its own row.
-        ids = top_k_index.reshape(-1, top_k_index.shape[-1])
-        pieces = split_to_capacity(ids.cpu().numpy(), binding.provider.pool.num_slots)
-        outputs = [_run(binding, self, hidden_states[piece], ids[piece], top_k_weights[piece]) for piece in pieces]
-        return torch.cat(outputs)
+    total: torch.Tensor | None = None
+    for result in binding.provider.passes(top_k_index):
+        part = _run_pass(binding, self, hidden_states, result, top_k_weights)
+        total = part if total is None else total + part
+    assert total is not None  # a provider yields at least one pass
+    return total
 
 
-def _run(
+def _run_pass(
     binding: Binding,
     module: nn.Module,
     hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
+    result: ExpertWeightResult,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    result = binding.provider.prepare(top_k_index)
+    """The inner implementation on one pass's slots; ids of other passes contribute 0."""
     slots = {"w1": result.w1, "w2": result.w2, **result.extra}
     tensors = {binding.parameter_of[name]: tensor for name, tensor in slots.items()}
     view = SlotView(module, tensors, binding.provider.pool.num_slots)
-    return binding.inner(view, hidden_states, result.topk_ids, top_k_weights)
+    ids = result.topk_ids
+    served = ids >= 0
+    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+    if torch.compiler.is_compiling() or capturing:
+        # No sync: every token runs; a pass with no id at all is dropped by selection (its
+        # filler slot may be free, full of NaN), never by multiplying.
+        filler = ids.max().clamp(min=0)
+        part = binding.inner(view, hidden_states, torch.where(served, ids, filler), top_k_weights * served)
+        return torch.where(served.any(), part, torch.zeros_like(part))
+    if bool(served.all()):
+        return binding.inner(view, hidden_states, ids, top_k_weights)
+    rows = served.any(dim=1).nonzero().squeeze(1)
+    out = torch.zeros_like(hidden_states)
+    if rows.numel():
+        mine = ids[rows]
+        filler = mine.max()  # some slot of this pass: loaded, finite
+        mask = served[rows]
+        part = binding.inner(view, hidden_states[rows], torch.where(mask, mine, filler), top_k_weights[rows] * mask)
+        out = out.index_copy(0, rows, part.to(out.dtype))
+    return out
 
 
 def register() -> None:

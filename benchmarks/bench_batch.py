@@ -1,0 +1,463 @@
+"""Decode throughput against batch size: the expert cache vs whole-layer streaming vs all resident.
+
+Qwen3-30B-A3B expert shapes (H=2048, I=768, E=128, top-8, bf16, 9.4 MB per expert), 12
+layers, routing replayed from the real Qwen3 trace: a batch of B requests is B trace
+positions spread over the trace, and row b of step s is trace token ``offset_b + s``. One
+process, one set of pinned stores shared by every variant, one apply kernel
+(`moe_apply_auto` when present, else `moe_apply`)::
+
+    resident         every expert on the GPU (FullGPUProvider), CUDA graph
+    stream d1, d2    whole-layer streaming, prefetch 1 / 2 layers ahead
+                     (`layer_streaming.StreamingLayers`, vLLM's prefetch offloader), CUDA graph
+    host             host-mode CachedWeightProvider, per-layer pools, eager (not capturable)
+    device           device-mode CachedWeightProvider, per-layer pools, CUDA graph
+    device global    device mode, one SlotPool shared by all layers (same total slots), CUDA graph
+
+at 25% / 50% / 100% of each layer's experts in slots. Each variant warms up, then a run of
+steps is timed with CUDA events (one graph per batch size). Physical bound of a step::
+
+    bound = max(resident step time at that batch size, bytes copied per step / pinned bandwidth)
+
+(copies on the copy engine can overlap compute; streaming copies all L*E experts every step,
+~14.5 GB, ~0.28 s at 51 GB/s; a cache copies its misses). ratio = step time / bound.
+
+``--prefill 1024 4096``: one forward over T consecutive trace tokens instead (eager), at
+``--prefill-fraction`` of the experts in slots, fresh (cold) caches, bound = resident forward
++ each touched expert's bytes once / pinned bandwidth.
+
+``--dry-run``: the same plumbing on a CPU with tiny shapes and interpreted kernels (fp32,
+eager, no graphs), results to a temporary folder: a check, not a measurement.
+
+    python benchmarks/bench_batch.py [--batch-sizes 1 2 4 ...] [--fractions 0.25 0.5 1.0] [--steps 16]
+    python benchmarks/bench_batch.py --prefill 1024 4096
+    python benchmarks/bench_batch.py --dry-run
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+from _common import append_csv, pinned_copy_gbps, print_table, traces_dir  # noqa: E402
+from bench_decode import QWEN3_TRACE, qwen3_routing  # noqa: E402
+from layer_streaming import StreamingLayers  # noqa: E402
+
+from expertcache import CachedWeightProvider, CacheStats, FullGPUProvider, SlotPool  # noqa: E402
+from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E402
+from expertcache.kernels import moe_apply  # noqa: E402
+from expertcache.layout import layout_from_weights  # noqa: E402
+from expertcache.passes import max_passes  # noqa: E402
+from expertcache.store import CPUBackingStore  # noqa: E402
+
+QWEN3 = dict(name="Qwen3-30B-A3B", hidden=2048, inter=768, experts=128, top_k=8, layers=12, dtype=torch.bfloat16)
+TINY = dict(name="tiny (dry run)", hidden=64, inter=32, experts=128, top_k=8, layers=3, dtype=torch.float32)
+
+
+@dataclass
+class Bench:
+    """What every variant shares: shape, device, stores, routing source, apply, bandwidth."""
+
+    shape: dict
+    device: torch.device
+    stores: list[CPUBackingStore]
+    trace: np.ndarray  # [N, L, K] expert ids
+    apply: Callable
+    copy_gbps: float
+    graphs: bool
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.stores[0].layout.expert_bytes
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+def resolve_apply(choice: str) -> tuple[Callable, str]:
+    """`moe_apply_auto` (grouped GEMM for many pairs) when it exists, else `moe_apply`."""
+    if choice == "auto":
+        try:
+            from expertcache.kernels.grouped_apply import moe_apply_auto
+        except ImportError:
+            return moe_apply, "moe_apply (moe_apply_auto missing)"
+        return moe_apply_auto, "moe_apply_auto"
+    return moe_apply, "moe_apply"
+
+
+def layer_weights(shape: dict, device: torch.device, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One layer's random experts ``{"w1": [E, 2I, H], "w2": [E, H, I]}`` on ``device``."""
+    E, H, inter, dtype = shape["experts"], shape["hidden"], shape["inter"], shape["dtype"]
+    return {
+        "w1": (torch.randn(E, 2 * inter, H, device=device, generator=gen, dtype=dtype) * H**-0.5),
+        "w2": (torch.randn(E, H, inter, device=device, generator=gen, dtype=dtype) * inter**-0.5),
+    }
+
+
+def batch_routing(trace: np.ndarray, batch: int, steps: int) -> np.ndarray:
+    """``[steps, L, B, K]``: request b starts at trace token ``b * N // B``, one token a step."""
+    offsets = np.arange(batch) * trace.shape[0] // batch
+    tokens = (offsets[None, :] + np.arange(steps)[:, None]) % trace.shape[0]  # [steps, B]
+    return trace[tokens].transpose(0, 2, 1, 3)
+
+
+def prefill_routing(trace: np.ndarray, tokens: int) -> np.ndarray:
+    """``[L, T, K]``: trace tokens 0 .. T-1 (wrapping round the trace when it is shorter)."""
+    return trace[np.arange(tokens) % trace.shape[0]].transpose(1, 0, 2)
+
+
+def copy_bandwidth_gbps(device: torch.device) -> float:
+    """Pinned host -> GPU copy-engine GB/s on a 64 MiB buffer (a host memcpy on a CPU)."""
+    if device.type == "cuda":
+        return pinned_copy_gbps(64 * 2**20)
+    source, target = torch.empty(64 * 2**20, dtype=torch.uint8), torch.empty(64 * 2**20, dtype=torch.uint8)
+    start = time.perf_counter()
+    target.copy_(source)
+    return source.nbytes / (time.perf_counter() - start) / 1e9
+
+
+# -- variants ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    """Providers for one way of serving the experts, and how to count its copies."""
+
+    name: str
+    cache: str  # "all", "stream" or the fraction of experts in slots, "25%"
+    providers: list
+    graph: bool
+    bytes_per_step: int | None = None  # fixed copies (streaming); None: read the cache's stats
+    num_slots: int | None = None  # slots one layer's call may use (caches)
+
+
+def cached(bench: Bench, fraction: float, mode: str, shared: bool) -> Variant:
+    E, L = bench.shape["experts"], len(bench.stores)
+    slots = max(1, round(fraction * E))
+    if shared:
+        pool = SlotPool(bench.stores[0].layout, slots * L, device=bench.device, mode=mode)
+        providers = [CachedWeightProvider(s, pool=pool, layer=index) for index, s in enumerate(bench.stores)]
+    else:
+        providers = [CachedWeightProvider(s, cache_size=slots, device=bench.device, mode=mode) for s in bench.stores]
+    name = f"{mode}{' global' if shared else ''}"
+    graph = bench.graphs and mode == "device"
+    return Variant(name, f"{fraction:.0%}", providers, graph, num_slots=providers[0].pool.num_slots)
+
+
+def streaming(bench: Bench, depth: int) -> Variant:
+    ring = StreamingLayers(bench.stores, depth, device=bench.device)
+    return Variant(f"stream d{depth}", "stream", ring.providers, bench.graphs, bytes_per_step=ring.bytes_per_step)
+
+
+def variant_builders(bench: Bench, fractions: list[float]) -> list[tuple[str, Callable[[], Variant]]]:
+    """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
+    builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
+    for fraction in fractions:
+        for mode, shared in (("host", False), ("device", False), ("device", True)):
+            label = f"{mode}{' global' if shared else ''} {fraction:.0%}"
+            builders.append((label, lambda f=fraction, m=mode, s=shared: cached(bench, f, m, s)))
+    return builders
+
+
+# -- measurement -------------------------------------------------------------------------------
+
+
+def total_stats(providers) -> CacheStats:
+    return sum((p.stats for p in providers), CacheStats())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(run: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of ``run()``: CUDA events around it on a GPU, the wall clock on a CPU."""
+    sync(device)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        run()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, steps: int) -> dict:
+    """Warm up, then time ``steps`` steps of a batch of ``batch`` requests."""
+    shape, device = bench.shape, bench.device
+    routing = torch.from_numpy(batch_routing(bench.trace, batch, warmup + steps)).to(device)
+    gen = torch.Generator(device=device).manual_seed(batch)
+    hidden = torch.randn(warmup + steps, batch, shape["hidden"], device=device, generator=gen, dtype=shape["dtype"])
+    stack = DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=device,
+                        apply=bench.apply)  # fmt: skip
+    step = GraphedDecodeStep(stack, hidden[0], routing[:1]) if variant.graph else stack.step
+    for index in range(warmup):
+        step(hidden[index], routing[index])
+    before = total_stats(variant.providers)
+    outputs = [None]
+
+    def run() -> None:
+        for index in range(warmup, warmup + steps):
+            outputs[0] = step(hidden[index], routing[index])
+
+    ms = timed_ms(run, device) / steps
+    delta = _stats_delta(total_stats(variant.providers), before)
+    copied = variant.bytes_per_step if variant.bytes_per_step is not None else delta.bytes_h2d / steps
+    row = {
+        "variant": variant.name, "cache": variant.cache, "batch": batch, "graph": variant.graph,
+        "ms_per_step": ms, "tok_per_s": 1e3 * batch / ms, "mb_copied_per_step": copied / 1e6,
+        "copy_ms": copied / (bench.copy_gbps * 1e6), "output": outputs[0].float().clone(),
+    }  # fmt: skip
+    if variant.bytes_per_step is None and variant.name != "resident":
+        row.update(hit_rate=delta.hit_rate, overflows=delta.overflows,
+                   max_passes=max_passes(batch * shape["top_k"], shape["experts"], variant.num_slots))  # fmt: skip
+    return row
+
+
+def _stats_delta(after: CacheStats, before: CacheStats) -> CacheStats:
+    names = ("hits", "misses", "evictions", "bytes_h2d", "calls", "invalid_ids", "overflows")
+    return CacheStats(*(getattr(after, n) - getattr(before, n) for n in names))
+
+
+def error_text(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}".splitlines()[0][:160]
+
+
+def run_variant(bench: Bench, label: str, build: Callable[[], Variant], args, reference: dict) -> list[dict]:
+    """One variant at every batch size; a failure is a row with its error, not the end.
+
+    ``reference`` maps batch size -> (resident ms per step, resident last output); the
+    resident variant fills it, every later one is measured against it.
+    """
+    start = time.perf_counter()
+    try:
+        variant = build()
+    except Exception as err:  # report it and go on with the next variant
+        return [{"variant": label, "error": error_text(err)}]
+    rows = []
+    for batch in args.batch_sizes:
+        warmup, steps = (1, args.streaming_steps) if variant.cache == "stream" else (args.warmup, args.steps)
+        try:
+            row = measure_batch(bench, variant, batch, warmup=warmup, steps=steps)
+        except Exception as err:  # the tree under test may not serve this size yet
+            sync(bench.device)
+            row = {"variant": variant.name, "cache": variant.cache, "batch": batch, "error": error_text(err)}
+        output = row.pop("output", None)
+        if variant.name == "resident" and output is not None:
+            reference[batch] = (row["ms_per_step"], output)
+        rows.append(finish_row(row, output, reference.get(batch)))
+        gc.collect()
+    print(f"  {label}: {time.perf_counter() - start:.1f} s", flush=True)
+    del variant
+    gc.collect()
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def finish_row(row: dict, output: torch.Tensor | None, resident: tuple | None) -> dict:
+    """Bound, ratio, and the last output's distance from the resident step's (same inputs)."""
+    if resident is None or output is None:
+        return row
+    resident_ms, reference = resident
+    row["bound_ms"] = max(resident_ms, row["copy_ms"])
+    row["ratio_to_bound"] = row["ms_per_step"] / row["bound_ms"]
+    row["max_abs_err"] = (output - reference).abs().max().item()
+    row["ref_max_abs"] = reference.abs().max().item()
+    return row
+
+
+# -- the two modes ---------------------------------------------------------------------------------
+
+DECODE_COLUMNS = [
+    "variant", "cache", "batch", "graph", "ms_per_step", "tok_per_s", "hit_rate", "max_passes",
+    "mb_copied_per_step", "copy_ms", "bound_ms", "ratio_to_bound", "overflows", "max_abs_err", "error",
+]  # fmt: skip
+
+
+def run_decode(bench: Bench, args, resident: list[dict]) -> list[dict]:
+    """Every variant at every batch size, the resident one first (the others' bound and check)."""
+    reference: dict[int, tuple[float, torch.Tensor]] = {}
+    providers = [FullGPUProvider(w) for w in resident]
+    resident.clear()  # the resident weights leave the GPU with their providers, before the caches come in
+    rows = run_variant(bench, "resident", lambda: Variant("resident", "all", providers, bench.graphs, 0), args,
+                       reference)  # fmt: skip
+    providers.clear()
+    for label, build in variant_builders(bench, args.fractions):
+        rows += run_variant(bench, label, build, args, reference)
+    return rows
+
+
+def run_prefill(bench: Bench, args, resident: list[dict]) -> list[dict]:
+    """One forward over T tokens per variant: resident, streaming, host and device caches (cold)."""
+    rows = []
+    for tokens in args.prefill:
+        routing = torch.from_numpy(prefill_routing(bench.trace, tokens)).to(bench.device)
+        hidden = torch.randn(tokens, bench.shape["hidden"], device=bench.device, dtype=bench.shape["dtype"])
+        touched = sum(len(np.unique(layer)) for layer in routing.cpu().numpy()) * bench.expert_bytes
+        builders = {
+            "resident": lambda: Variant("resident", "all", [FullGPUProvider(w) for w in resident], False, 0),
+            **{f"stream d{d}": (lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)},
+            "host": lambda: cached(bench, args.prefill_fraction, "host", False),
+            "device": lambda: cached(bench, args.prefill_fraction, "device", False),
+        }
+        resident_ms = None
+        for name, build in builders.items():
+            row = {"variant": name, "tokens": tokens, "mb_touched": touched / 1e6}
+            try:
+                row |= prefill_once(bench, build, hidden, routing, args.prefill_repeats)
+            except Exception as err:  # the tree under test may not serve this size yet
+                sync(bench.device)
+                row["error"] = error_text(err)
+            if name == "resident":
+                resident_ms = row.get("ms")
+            if resident_ms is not None and "ms" in row:
+                row["bound_ms"] = resident_ms + touched / (bench.copy_gbps * 1e6)
+                row["ratio_to_bound"] = row["ms"] / row["bound_ms"]
+            rows.append(row)
+            gc.collect()
+            if bench.device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_once(bench: Bench, build: Callable[[], Variant], hidden, routing, repeats: int) -> dict:
+    """Median ms of one forward, each on freshly built (cold) providers after one warm forward."""
+    times, copied = [], []
+    for repeat in range(repeats + 1):
+        variant = build()
+        stack = DecodeStack(variant.providers, bench.shape["hidden"], bench.shape["experts"],
+                            dtype=bench.shape["dtype"], device=bench.device, apply=bench.apply)  # fmt: skip
+        ms = timed_ms(lambda stack=stack: stack.step(hidden, routing), bench.device)
+        if repeat:  # the first forward compiles
+            times.append(ms)
+            fixed = variant.bytes_per_step
+            copied.append(fixed if fixed is not None else total_stats(variant.providers).bytes_h2d)
+        del stack, variant
+    return {"ms": float(np.median(times)), "mb_copied": float(np.median(copied)) / 1e6}
+
+
+# -- output ------------------------------------------------------------------------------------------
+
+
+def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Path | None:
+    """tokens/s against batch size, one panel per cache fraction, one line per variant."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return None
+    fig, axes = plt.subplots(1, len(fractions), figsize=(5 * len(fractions), 4), sharey=True, squeeze=False)
+    for axis, fraction in zip(axes[0], fractions, strict=True):
+        cache = f"{fraction:.0%}"
+        lines: dict[str, list] = {}
+        for row in rows:
+            if "tok_per_s" in row and row["cache"] in ("all", "stream", cache):
+                lines.setdefault(row["variant"], []).append((row["batch"], row["tok_per_s"]))
+        for name, points in lines.items():
+            axis.plot(*zip(*sorted(points), strict=True), marker="o", label=name)
+        axis.set(xscale="log", yscale="log", title=f"{cache} of experts in slots", xlabel="batch size")
+        axis.set_xscale("log", base=2)
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("tokens / s")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    parser.add_argument("--layers", type=int, default=None, help="default 12 (3 in a dry run)")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per variant and batch size")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed steps first (cache warm-up)")
+    parser.add_argument("--streaming-steps", type=int, default=3, help="timed steps of streaming (~0.3 s each)")
+    parser.add_argument("--apply", choices=("auto", "gemv"), default="auto", help="auto: moe_apply_auto if present")
+    parser.add_argument("--prefill", type=int, nargs="+", default=None, metavar="T", help="prefill mode: T tokens")
+    parser.add_argument("--prefill-fraction", type=float, default=0.25)
+    parser.add_argument("--prefill-repeats", type=int, default=2)
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, interpreted kernels")
+    args = parser.parse_args()
+    if args.dry_run and args.batch_sizes == parser.get_default("batch_sizes"):
+        args.batch_sizes = [1, 4, 16]
+    if args.dry_run:
+        args.steps, args.warmup, args.streaming_steps = min(args.steps, 2), min(args.warmup, 1), 1
+    return args
+
+
+def build_bench(args) -> tuple[Bench, list[dict]]:
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("bench_batch needs a CUDA GPU (use --dry-run to check the plumbing on a CPU)")
+    shape = dict(TINY if args.dry_run else QWEN3)
+    shape["layers"] = args.layers or shape["layers"]
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    trace = qwen3_routing(traces_dir() / QWEN3_TRACE, shape["layers"])
+    gen = torch.Generator(device=device).manual_seed(0)
+    start = time.perf_counter()
+    resident = [layer_weights(shape, device, gen) for _ in range(shape["layers"])]
+    _, layout = layout_from_weights(resident[0])
+    stores = [CPUBackingStore(layout, w, pin=device.type == "cuda") for w in resident]
+    apply, apply_name = resolve_apply(args.apply)
+    bench = Bench(shape, device, stores, trace, apply, copy_bandwidth_gbps(device), graphs=device.type == "cuda")
+    shape["apply"] = apply_name
+    print(f"{shape['name']}: {shape['layers']} layers x {shape['experts']} experts, "
+          f"{bench.expert_bytes / 1e6:.2f} MB per expert, {trace.shape[0]} trace tokens, apply {apply_name}; "
+          f"{sum(s.nbytes for s in stores) / 1e9:.2f} GB built and pinned in {time.perf_counter() - start:.1f} s; "
+          f"copy bandwidth {bench.copy_gbps:.1f} GB/s (64 MiB)", flush=True)  # fmt: skip
+    return bench, resident
+
+
+def main() -> None:
+    args = parse_args()
+    if args.dry_run:  # nothing of a CPU check lands among the results
+        _common.RESULTS = Path(tempfile.mkdtemp(prefix="bench_batch_dry_"))
+    start = time.perf_counter()
+    bench, resident = build_bench(args)
+    shape = bench.shape
+    stamp = {"shape": shape["name"], "layers": shape["layers"], "dtype": str(shape["dtype"]).removeprefix("torch."),
+             "apply": shape["apply"], "pinned_gbps": bench.copy_gbps}  # fmt: skip
+    if args.prefill:
+        rows = run_prefill(bench, args, resident)
+        columns = ["variant", "tokens", "ms", "mb_touched", "mb_copied", "bound_ms", "ratio_to_bound", "error"]
+        print_table(rows, columns, title=f"{shape['name']} prefill, {shape['layers']} layers, "
+                                         f"{args.prefill_fraction:.0%} cache (cold), eager")  # fmt: skip
+        print(f"CSV: {append_csv('bench_batch_prefill', [{**stamp, **r} for r in rows])}")
+    else:
+        rows = run_decode(bench, args, resident)
+        print_table(rows, DECODE_COLUMNS, title=f"{shape['name']} decode, {shape['layers']} layers; bound = "
+                    f"max(resident step, copied bytes / {bench.copy_gbps:.1f} GB/s)")  # fmt: skip
+        print(f"CSV: {append_csv('bench_batch', [{**stamp, **r} for r in rows])}")
+        title = f"{shape['name']} decode, {shape['layers']} layers, {shape['apply']}, {_common.environment()['gpu']}"
+        print(f"plot: {plot(rows, args.fractions, _common.RESULTS / 'bench_batch.png', title)}")
+    print(f"total {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
