@@ -4,9 +4,8 @@ The shape of what an engine runs per generated token, with the cache inside::
 
     for each layer:  h = rms_norm(h + h @ attention)               (stand-in GEMM)
                      logits = h @ router;  weights = softmax(logits at the given ids)
-                     for result in provider.passes(ids):            (cache: admit, copy, remap)
-                         moe += apply(h, result.w1, result.w2, weights, result.topk_ids)   fp32
-                     h = h + moe
+                     results = provider.passes(ids)                 (cache: admit, copy, remap)
+                     h = h + apply(h, results, weights)             (moe_apply over the passes)
 
 A call needing more experts than the slots runs as several passes (`expertcache.passes`);
 decode batches that fit take one.
@@ -18,16 +17,18 @@ contains admissions and copies: misses are served inside the graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from expertcache.kernels import moe_apply
+from expertcache.kernels import moe_apply_passes
 from expertcache.provider import ExpertWeightProvider
+from expertcache.result import ExpertWeightResult
 
-#: An expert apply with `moe_apply`'s signature (``fp32_out=True`` is passed).
-ExpertApply = Callable[..., torch.Tensor]
+#: An expert apply over the passes of one call: ``(hidden [T, H], results, topk_weights
+#: [T, K]) -> [T, H]`` in ``hidden``'s dtype (`expertcache.kernels.moe_apply_passes`).
+ExpertApply = Callable[[torch.Tensor, Iterable[ExpertWeightResult], torch.Tensor], torch.Tensor]
 
 
 class DecodeStack:
@@ -40,7 +41,7 @@ class DecodeStack:
         dtype, device: of the dense parts and activations.
         seed: the dense parts are drawn from it, so stacks with the same seed compute the
             same function.
-        apply: the expert kernel (default `moe_apply`; any function with its signature).
+        apply: the expert kernel over a call's passes (default `moe_apply_passes`).
     """
 
     def __init__(
@@ -52,7 +53,7 @@ class DecodeStack:
         dtype: torch.dtype,
         device: torch.device | str,
         seed: int = 0,
-        apply: ExpertApply = moe_apply,
+        apply: ExpertApply = moe_apply_passes,
     ) -> None:
         self.apply = apply
         gen = torch.Generator().manual_seed(seed)
@@ -85,15 +86,7 @@ class DecodeStack:
             ids = routing[layer]
             logits = (h @ self.router[layer]).float()
             weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
-            moe = None
-            for result in provider.passes(ids):
-                part = self.apply(
-                    h, result.w1, result.w2, weights, result.topk_ids,
-                    w1_scale=result.w1_scale, w2_scale=result.w2_scale, fp32_out=True,
-                )  # fmt: skip
-                moe = part if moe is None else moe + part
-            assert moe is not None  # every provider yields at least one pass
-            h = h + moe.to(h.dtype)
+            h = h + self.apply(h, provider.passes(ids), weights)
         return h
 
 

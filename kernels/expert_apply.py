@@ -75,13 +75,15 @@ def _down_kernel(
     act_ptr, w2_ptr, scale_ptr, ids_ptr, weights_ptr, part_ptr,
     hidden_size, inter_size, num_rows, stride_expert, stride_row, stride_scale_expert, stride_scale_row,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    WRITE_ALL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_mask = rows < hidden_size
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if (expert >= 0) & (expert < num_rows):
+    served = (expert >= 0) & (expert < num_rows)
+    if served:
         w_rows = w2_ptr + expert * stride_expert + rows.to(tl.int64)[:, None] * stride_row
         scales = scale_ptr + expert * stride_scale_expert
         for start in range(0, inter_size, BLOCK_I):
@@ -93,7 +95,10 @@ def _down_kernel(
             w = _scaled(w, scales, rows, cols, mask, HAS_SCALE, SCALE_BLOCK, stride_scale_row)
             acc += tl.sum(w * a[None, :], axis=1)
         acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
-    tl.store(part_ptr + pair * hidden_size + rows, acc, mask=row_mask)
+    if WRITE_ALL:  # rows of other passes (or of no expert) become zeros
+        tl.store(part_ptr + pair * hidden_size + rows, acc, mask=row_mask)
+    elif served:  # other rows belong to another pass: left as they are
+        tl.store(part_ptr + pair * hidden_size + rows, acc, mask=row_mask)
 
 
 @triton.jit
@@ -216,9 +221,6 @@ def _moe_apply(
     """``(out [T, H], invalid [1] int64)``: the MLP, and how many ids were outside ``[-1, N)``."""
     tokens, top_k = topk_ids.shape
     hidden_size, inter_size, num_rows = w2.shape[1], w2.shape[2], w1.shape[0]
-    has_scale = w1_scale is not None
-    scale1 = w1_scale if w1_scale is not None else w1  # an unused pointer when there are no scales
-    scale2 = w2_scale if w2_scale is not None else w2
     device = hidden.device
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
@@ -229,23 +231,45 @@ def _moe_apply(
     out = torch.empty(tokens, hidden_size, dtype=out_dtype, device=device)
     act = torch.empty(tokens * top_k, inter_size, dtype=torch.float32, device=device)
     part = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=device)
-    pairs = tokens * top_k
     with on_device(device):
-        _gate_up_kernel[(pairs, triton.cdiv(inter_size, block_i))](
-            hidden, w1, scale1, ids, act, hidden_size, inter_size, top_k, num_rows,
-            hidden.stride(0), w1.stride(0), w1.stride(1), scale1.stride(0), scale1.stride(1),
-            BLOCK_I=block_i, BLOCK_H=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
-        )  # fmt: skip
-        _down_kernel[(pairs, triton.cdiv(hidden_size, block_rows))](
-            act, w2, scale2, ids, weights, part, hidden_size, inter_size, num_rows,
-            w2.stride(0), w2.stride(1), scale2.stride(0), scale2.stride(1),
-            BLOCK_H=block_rows, BLOCK_I=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
-        )  # fmt: skip
-        _sum_over_k_kernel[(tokens, triton.cdiv(hidden_size, 256))](
-            part, ids, invalid, out, hidden_size, top_k, num_rows, out.stride(0),
-            BLOCK_H=256, BLOCK_K=max(2, triton.next_power_of_2(top_k)),
-        )  # fmt: skip
+        launch_pairs(hidden, w1, w2, w1_scale, w2_scale, scale_block, ids, weights, act, part, True, block_i, block_h,
+                     block_rows)  # fmt: skip
+        launch_sum(part, ids, invalid, out, num_rows)
     return out, invalid
+
+
+def launch_pairs(
+    hidden, w1, w2, w1_scale, w2_scale, scale_block, ids, weights, act, part, write_all, block_i=16, block_h=256,
+    block_rows=16,
+) -> None:  # fmt: skip
+    """gate_up and down over every (token, choice): ``part[t*K + k]`` = weighted expert
+    output for ids in ``[0, N)``; other rows get zeros (``write_all``) or stay as they were."""
+    tokens, top_k = ids.shape
+    hidden_size, inter_size, num_rows = w2.shape[1], w2.shape[2], w1.shape[0]
+    has_scale = w1_scale is not None
+    scale1 = w1_scale if w1_scale is not None else w1  # an unused pointer when there are no scales
+    scale2 = w2_scale if w2_scale is not None else w2
+    pairs = tokens * top_k
+    _gate_up_kernel[(pairs, triton.cdiv(inter_size, block_i))](
+        hidden, w1, scale1, ids, act, hidden_size, inter_size, top_k, num_rows,
+        hidden.stride(0), w1.stride(0), w1.stride(1), scale1.stride(0), scale1.stride(1),
+        BLOCK_I=block_i, BLOCK_H=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
+    )  # fmt: skip
+    _down_kernel[(pairs, triton.cdiv(hidden_size, block_rows))](
+        act, w2, scale2, ids, weights, part, hidden_size, inter_size, num_rows,
+        w2.stride(0), w2.stride(1), scale2.stride(0), scale2.stride(1),
+        BLOCK_H=block_rows, BLOCK_I=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block, WRITE_ALL=write_all,
+    )  # fmt: skip
+
+
+def launch_sum(part: torch.Tensor, ids: torch.Tensor, invalid: torch.Tensor, out: torch.Tensor, num_rows: int) -> None:
+    """``out[t] = sum over k of part[t*K + k]`` in k order; ids outside ``[-1, N)`` counted."""
+    tokens, top_k = ids.shape
+    hidden_size = out.shape[1]
+    _sum_over_k_kernel[(tokens, triton.cdiv(hidden_size, 256))](
+        part, ids, invalid, out, hidden_size, top_k, num_rows, out.stride(0),
+        BLOCK_H=256, BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+    )  # fmt: skip
 
 
 _moe_apply_op = torch.library.custom_op("expertcache::moe_apply", _moe_apply, mutates_args=())

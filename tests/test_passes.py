@@ -1,0 +1,206 @@
+"""Expert-group passes: calls with more distinct experts than slots, in every mode.
+
+* `group_passes` (the one grouping) has the stated properties, and the device kernel that
+  assigns passes equals its torch reference;
+* over-capacity calls (T up to 4096, slots down to top-k, pools shared by layers, EP maps)
+  equal the full-weights reference exactly, in host and device mode, and each expert is
+  loaded at most once per call;
+* ``moe_apply_passes`` over the passes is bit-identical to `moe_apply` on all experts;
+* a CUDA graph of a step whose calls need several passes replays with changing routing
+  and equals eager (GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import devices
+from helpers import random_topk, random_weights
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from expertcache import CachedWeightProvider, FullGPUProvider, SlotPool
+from expertcache.kernels import moe_apply, moe_apply_passes
+from expertcache.kernels.passes import assign_passes, assign_passes_torch
+from expertcache.kernels.slot_tables import SlotTables
+from expertcache.passes import group_passes, max_passes, pass_count
+from expertcache.reference import combine_expert_outputs, expert_outputs, moe_forward
+
+HIDDEN, INTER = 8, 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 40), unique=True, max_size=30),
+    flags=st.lists(st.booleans(), min_size=30, max_size=30),
+    num_slots=st.integers(1, 12),
+)
+def test_groups_partition_the_call_resident_keys_first(keys, flags, num_slots):
+    resident = flags[: len(keys)]
+    while sum(resident) > num_slots:  # at most S keys hold a slot
+        resident[resident.index(True)] = False
+    groups = group_passes(keys, resident, num_slots)
+    assert len(groups) == pass_count(len(keys), num_slots)
+    assert sorted(key for group in groups for key in group) == sorted(keys)
+    assert all(len(group) <= num_slots for group in groups)
+    hits = {key for key, flag in zip(keys, resident, strict=True) if flag}
+    assert hits <= set(groups[0])
+    order = {key: index for index, key in enumerate(keys)}
+    assert all(list(group) == sorted(group, key=order.get) for group in groups)
+    misses = [key for key in keys if key not in hits]  # misses fill the passes in order
+    assert [key for group in groups for key in group if key not in hits] == misses
+    if len(keys) > num_slots:
+        assert all(len(group) == num_slots for group in groups[:-1])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(("tokens", "with_map"), [(3, False), (40, True), (300, False)])
+def test_assign_passes_kernel_equals_reference(device, tokens, with_map):
+    gen = torch.Generator().manual_seed(tokens)
+    num_slots, num_keys, offset = 5, 30, 6
+    tables = SlotTables.allocate(num_keys, num_slots, 2, torch.device(device))
+    resident = torch.randperm(16, generator=gen)[:num_slots]
+    tables.expert_to_slot[offset + resident] = torch.arange(num_slots, dtype=torch.int32, device=device)
+    ids = torch.randint(-2, 20, (tokens, 4), generator=gen)
+    ids[0, 0] = 2**32 + 3  # out of range in its own dtype
+    mapping = None
+    if with_map:
+        mapping = torch.where(torch.arange(20) % 3 == 0, -1, torch.arange(20) // 2).to(torch.int32).to(device)
+    ours, theirs = (torch.empty(ids.shape, dtype=torch.int32, device=device) for _ in range(2))
+    before = tables.buffer.clone()
+    kwargs = dict(num_global=20, key_offset=offset)
+    assign_passes(tables, ids.to(device), mapping, ours, **kwargs)
+    assert torch.equal(tables.buffer, before)  # reads the tables, leaves its scratch empty
+    assign_passes_torch(tables, ids.to(device), mapping, theirs, **kwargs)
+    assert torch.equal(ours, theirs)
+
+
+def _reference_over_passes(hidden, results, weights) -> torch.Tensor:
+    """`moe_forward` computed per pass: each (token, choice) from its pass, summed in k order.
+
+    Each result is used before the next is taken (the next pass may overwrite its slots),
+    and every (token, choice) must be served by exactly one pass.
+    """
+    per_choice, served = None, None
+    for result in results:
+        mine = (result.topk_ids >= 0).unsqueeze(-1)
+        part = expert_outputs(hidden, result.w1, result.w2, result.topk_ids)
+        assert served is None or not (served & mine).any()
+        per_choice = part if per_choice is None else torch.where(mine, part, per_choice)
+        served = mine if served is None else served | mine
+    assert served is not None and bool(served.all())
+    return combine_expert_outputs(per_choice, weights)
+
+
+@pytest.mark.parametrize("mode", ["host", "device"])
+@pytest.mark.parametrize(("tokens", "top_k", "num_experts", "slots"), [(40, 2, 8, 2), (64, 4, 16, 5), (4096, 8, 64, 8)])
+def test_over_capacity_calls_equal_the_full_weights_reference(mode, tokens, top_k, num_experts, slots):
+    if mode == "device" and tokens > 64 and not torch.cuda.is_available():
+        tokens = 512  # the interpreted admission walks every id in Python-driven blocks
+    gen = torch.Generator().manual_seed(tokens + slots)
+    weights = random_weights(num_experts, HIDDEN, INTER, generator=gen)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    provider = CachedWeightProvider(weights, cache_size=slots, mode=mode, device=device)
+    full = {name: tensor.to(device) for name, tensor in weights.items()}
+    for _ in range(1 if tokens > 1000 else 3):  # the reference is slow at 4096 tokens on a CPU
+        ids = random_topk(tokens, top_k, num_experts, generator=gen).to(device)
+        hidden = torch.randn(tokens, HIDDEN, generator=gen).to(device)
+        router = torch.rand(tokens, top_k, generator=gen).to(device)
+        before = provider.stats
+        out = _reference_over_passes(hidden, provider.passes(ids), router)
+        assert torch.equal(out, moe_forward(hidden, full["w1"], full["w2"], router, ids))
+        stats = provider.stats
+        distinct = ids.unique().numel()
+        assert stats.calls - before.calls == 1
+        # every distinct expert is a hit (pass 0) or loaded exactly once
+        assert (stats.hits - before.hits) + (stats.misses - before.misses) == distinct
+
+
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_shared_pool_and_expert_map_in_passes(mode):
+    gen = torch.Generator().manual_seed(7)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    num_global, tokens, top_k = 12, 24, 3
+    local_of = torch.where(torch.arange(num_global) % 2 == 0, torch.arange(num_global) // 2, -1)
+    layers = [random_weights(6, HIDDEN, INTER, generator=gen) for _ in range(2)]
+    pool = SlotPool.for_weights(layers[0], 2, device=device, mode=mode)  # 2 slots for 2 layers
+    providers = [
+        CachedWeightProvider(w, pool=pool, layer=index, expert_map=local_of.to(torch.int32))
+        for index, w in enumerate(layers)
+    ]
+    for _ in range(3):
+        for provider, w in zip(providers, layers, strict=True):
+            ids = random_topk(tokens, top_k, num_global, generator=gen)
+            hidden = torch.randn(tokens, HIDDEN, generator=gen)
+            local_ids = local_of[ids]  # -1: another rank's expert
+            expected = expert_outputs(hidden, w["w1"], w["w2"], local_ids)
+            per_choice, served = torch.zeros_like(expected), torch.zeros(ids.shape, dtype=torch.bool)
+            for result in provider.passes(ids.to(device)):  # each result consumed before the next
+                mine = (result.topk_ids >= 0).cpu()
+                assert not (served & mine).any()
+                served |= mine
+                part = expert_outputs(hidden.to(device), result.w1, result.w2, result.topk_ids).cpu()
+                per_choice = torch.where(mine.unsqueeze(-1), part, per_choice)
+            assert torch.equal(served, local_ids >= 0)  # other ranks' ids are -1 in every pass
+            assert torch.equal(per_choice, expected)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_moe_apply_over_passes_is_bit_identical_to_one_call(device, mode):
+    gen = torch.Generator().manual_seed(3)
+    weights = random_weights(10, 16, 8, generator=gen)
+    provider = CachedWeightProvider(weights, cache_size=3, mode=mode, device=device)
+    full = {name: tensor.to(device) for name, tensor in weights.items()}
+    for _ in range(3):
+        ids = random_topk(9, 3, 10, generator=gen).to(device)
+        hidden = torch.randn(9, 16, generator=gen).to(device)
+        router = torch.rand(9, 3, generator=gen).to(device)
+        ours = moe_apply_passes(hidden, provider.passes(ids), router)
+        assert torch.equal(ours, moe_apply(hidden, full["w1"], full["w2"], router, ids))
+
+
+def test_device_mode_yields_the_most_passes_the_shape_allows():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    weights = random_weights(12, HIDDEN, INTER)
+    provider = CachedWeightProvider(weights, cache_size=4, mode="device", device=device)
+    ids = torch.tensor([[0, 1], [0, 1], [0, 1], [2, 3]], device=device)  # 4 experts: one pass needed
+    results = list(provider.passes(ids))
+    assert len(results) == max_passes(8, 12, 4) == 2
+    assert torch.equal(results[1].topk_ids, torch.full_like(ids, -1))  # the spare pass is empty
+    assert provider.stats.calls == 1 and provider.stats.misses == 4
+    small = torch.tensor([[5, 6]], device=device)
+    assert len(list(provider.passes(small))) == 1  # T*K <= S: always one pass
+
+
+def test_bad_ids_raise_before_any_pass_runs():
+    provider = CachedWeightProvider(random_weights(8, HIDDEN, INTER), cache_size=2, device="cpu")
+    with pytest.raises(IndexError):
+        next(provider.passes(torch.tensor([[0, 9], [1, 2]])))  # range: checked by pass 0's read
+    with pytest.raises(TypeError):
+        provider.passes(torch.tensor([[0.0, 1.0]]))  # metadata: checked before passes() returns
+    assert provider.stats.calls == 0 and provider.resident() == frozenset()
+    assert len(list(provider.passes(torch.tensor([[0, 1], [2, 3], [4, 5]])))) == 3
+
+
+@pytest.mark.gpu
+def test_graphed_step_with_passes_replays_and_equals_eager():
+    from expertcache.decode_stack import DecodeStack, GraphedDecodeStep
+
+    gen = torch.Generator().manual_seed(11)
+    num_experts, hidden_size, top_k, tokens, layers = 16, 64, 4, 8, 3
+    weights = [random_weights(num_experts, hidden_size, 32, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
+    cached = [CachedWeightProvider(w, cache_size=6, mode="device", device="cuda") for w in weights]
+    full = [FullGPUProvider({n: t.cuda() for n, t in w.items()}) for w in weights]
+    stacks = [DecodeStack(p, hidden_size, num_experts, dtype=torch.bfloat16, device="cuda") for p in (cached, full)]
+
+    def routing() -> torch.Tensor:
+        return torch.stack([random_topk(tokens, top_k, num_experts, generator=gen) for _ in range(layers)]).cuda()
+
+    hidden = torch.randn(tokens, hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    graph = GraphedDecodeStep(stacks[0], hidden, routing().unsqueeze(0))
+    for _ in range(4):
+        step_routing = routing()  # 32 ids over 16 experts with 6 slots: 3 passes per layer
+        replayed = graph(hidden, step_routing).clone()
+        assert torch.equal(replayed, stacks[1].step(hidden, step_routing))
+    assert all(p.stats.overflows == 0 for p in cached)
