@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from expertcache.kernels import moe_apply_passes
+from expertcache.kernels.apply_passes import moe_apply_passes
 from expertcache.provider import ExpertWeightProvider
 from expertcache.result import ExpertWeightResult
 
