@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, for a lent GPU machine with no registry access.
 # Usage: bash benchmarks/gpu_session.sh [STEP ...]   (steps: suite tests prepare decode decode-deepseek;
-#        default: suite prepare decode; also demo families generate: the transformers integration)
+#        default: suite prepare decode; also demo families generate: the transformers integration;
+#        apply batch prefill: the expert apply kernels, throughput against batch size, prefill)
 #   suite: the README's test command, the WHOLE suite (python3 -m pytest -q); tests: only -m gpu
 # Logs and CSVs go to $OUT (or ./gpu-out). Carried wheels in .whl/ (flashlib) are installed
 # into /tmp/site first. Each step has its own time limit, so one failure doesn't stop the rest.
@@ -33,6 +34,9 @@ for step in $steps; do
     demo) timeout 300 python3 -m expertcache.cli demo 2>&1 | tee "$OUT/demo.log" ;;
     families) timeout 300 python3 benchmarks/family_equivalence.py --device cuda 2>&1 | tee "$OUT/family_equivalence.log" ;;
     generate) timeout 420 python3 benchmarks/bench_generate.py --layers 12 2>&1 | tee "$OUT/bench_generate.log" ;;
+    apply) timeout 240 python3 benchmarks/bench_apply.py 2>&1 | tee "$OUT/bench_apply.log" ;;
+    batch) timeout 420 python3 benchmarks/bench_batch.py 2>&1 | tee "$OUT/bench_batch.log" ;;
+    prefill) timeout 300 python3 benchmarks/bench_batch.py --prefill 1024 4096 2>&1 | tee "$OUT/bench_prefill.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
