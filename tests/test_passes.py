@@ -133,7 +133,8 @@ def test_shared_pool_and_expert_map_in_passes(mode):
             ids = random_topk(tokens, top_k, num_global, generator=gen)
             hidden = torch.randn(tokens, HIDDEN, generator=gen)
             local_ids = local_of[ids]  # -1: another rank's expert
-            expected = expert_outputs(hidden, w["w1"], w["w2"], local_ids)
+            on = {name: tensor.to(device) for name, tensor in w.items()}  # the same matmuls as the slots'
+            expected = expert_outputs(hidden.to(device), on["w1"], on["w2"], local_ids.to(device)).cpu()
             per_choice, served = torch.zeros_like(expected), torch.zeros(ids.shape, dtype=torch.bool)
             for result in provider.passes(ids.to(device)):  # each result consumed before the next
                 mine = (result.topk_ids >= 0).cpu()
