@@ -9,14 +9,23 @@ validates its inputs and picks the grid, and a pure-torch reference named ``*_to
     copy_experts.py  copy_experts / copy_experts_torch plan-driven copies from mapped pinned memory
     expert_apply.py  moe_apply / moe_apply_torch       slot-indexed SiLU-gated expert MLP (GEMV, decode)
     grouped_apply.py moe_apply_grouped, moe_apply_auto the same MLP as grouped GEMMs (many tokens)
+    grouped_routing.py sort_pairs_by_expert / _torch   (token, choice) pairs grouped by id into padded blocks
     slot_tables.py   SlotTables: the state the cache kernels read and write
 
 No kernel uses ``@triton.autotune`` (it needs a GPU driver): block sizes are chosen by the
 launcher, so the kernels also run under ``TRITON_INTERPRET=1`` on a CPU.
 """
 
+from expertcache.kernels.apply_passes import moe_apply_passes
 from expertcache.kernels.expert_apply import moe_apply, moe_apply_torch
 from expertcache.kernels.grouped_apply import moe_apply_grouped
 from expertcache.kernels.remap import remap_topk_ids, remap_topk_ids_torch
 
-__all__ = ["moe_apply", "moe_apply_grouped", "moe_apply_torch", "remap_topk_ids", "remap_topk_ids_torch"]
+__all__ = [
+    "moe_apply",
+    "moe_apply_grouped",
+    "moe_apply_passes",
+    "moe_apply_torch",
+    "remap_topk_ids",
+    "remap_topk_ids_torch",
+]

@@ -11,6 +11,10 @@ after the last pass::
     pass g > 0:  gate_up, down (only the rows of pass g)
     then:        out[t] = sum over k of part[t*K + k]
 
+gate_up and down are `moe_apply`'s GEMV kernels for small calls and `moe_apply_grouped`'s
+tensor-core GEMMs from `grouped_apply.GROUPED_MIN_PAIRS` pairs on (``kernel="auto"``), the
+choice made once per call, so all of its passes run the same kernels.
+
 so the output equals `moe_apply` on a provider holding every expert, bit for bit, and a
 CUDA graph captures it (no sync; passes of nothing cost launches only).
 """
@@ -23,6 +27,7 @@ import torch
 
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.expert_apply import _check, _check_scales, launch_pairs, launch_sum
+from expertcache.kernels.grouped_apply import _TENSOR_CORE_DTYPES, default_tiles, launch_grouped_pairs, takes_grouped
 from expertcache.result import ExpertWeightResult
 
 
@@ -33,6 +38,7 @@ def moe_apply_passes(
     *,
     scale_block: int = 128,
     fp32_out: bool = False,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """`moe_apply` over the passes of one call (``provider.passes(topk_ids)``).
 
@@ -43,11 +49,15 @@ def moe_apply_passes(
         topk_weights: ``[T, K]`` router weights.
         scale_block: as in `moe_apply` (block-scaled fp8 weights).
         fp32_out: return the fp32 sum instead of rounding to ``hidden``'s dtype.
+        kernel: ``"auto"`` (by call size), ``"gemv"`` or ``"grouped"``.
 
     Returns:
         ``[T, H]``: every (token, choice) served by one of the passes, summed in k order.
     """
+    if kernel not in ("auto", "gemv", "grouped"):
+        raise ValueError(f"kernel must be 'auto', 'gemv' or 'grouped', got {kernel!r}")
     tokens, top_k = topk_weights.shape
+    grouped = None
     out_dtype = torch.float32 if fp32_out else hidden.dtype
     weights = topk_weights.contiguous()
     part = act = ids = None
@@ -61,7 +71,15 @@ def moe_apply_passes(
                 act = torch.empty(tokens * top_k, result.w2.shape[2], dtype=torch.float32, device=hidden.device)
             ids = result.topk_ids.contiguous()
             num_rows = result.w1.shape[0]
-            if tokens and top_k:
+            if grouped is None:
+                fits = takes_grouped(result.w1, result.w2, result.w1_scale, tokens * top_k)
+                grouped = fits if kernel == "auto" else kernel == "grouped"
+            if not tokens or not top_k:
+                continue
+            if grouped:
+                tiles = default_tiles(tokens * top_k, *result.w2.shape[1:], result.w1.dtype in _TENSOR_CORE_DTYPES)
+                launch_grouped_pairs(hidden, result.w1, result.w2, ids, weights, part, index == 0, tiles)
+            else:
                 launch_pairs(hidden, result.w1, result.w2, result.w1_scale, result.w2_scale, scale_block, ids,
                              weights, act, part, index == 0)  # fmt: skip
         if part is None or ids is None:

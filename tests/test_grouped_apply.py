@@ -12,9 +12,10 @@ import torch
 from conftest import devices
 from helpers import random_topk, random_weights
 
-from expertcache.kernels import moe_apply, moe_apply_grouped, moe_apply_torch
 from expertcache.kernels import grouped_apply as grouped_module
-from expertcache.kernels.grouped_apply import max_blocks, moe_apply_auto, sort_pairs_by_expert
+from expertcache.kernels import moe_apply, moe_apply_grouped, moe_apply_torch
+from expertcache.kernels.grouped_apply import moe_apply_auto
+from expertcache.kernels.grouped_routing import max_blocks, sort_pairs_by_expert, sort_pairs_by_expert_torch
 
 # dtype travels with its tolerance: fp32 differs from torch in summation order only; fp16
 # rounds the intermediate activation to fp16 as well.
@@ -155,7 +156,11 @@ def routing_by_hand(ids: list[int], num_experts: int, block_m: int) -> tuple[lis
     return rows + [pairs] * (unused * block_m), experts + [-1] * unused
 
 
+ROUTES = [pytest.param(sort_pairs_by_expert, id="kernel"), pytest.param(sort_pairs_by_expert_torch, id="torch")]
+
+
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize(
     "ids, num_experts, bound",
     [
@@ -163,22 +168,37 @@ def routing_by_hand(ids: list[int], num_experts: int, block_m: int) -> tuple[lis
         ([[0, 1, 2, 3, 4, 5]], 8, 6),  # every pair its own expert: the bound of P blocks is reached
         ([[2]] * 37, 4, 7),  # one expert, 37 rows: three blocks, the last one padded
         ([[-1, -1]] * 3, 2, 3),  # only the invalid bucket
+        ([[(7 * p) % 9 - 2] for p in range(300)], 5, 24),  # three chunks of 128 pairs, the last one ragged
+        ([[(37 * p) % 1003 - 2, p] for p in range(40)], 1000, 80),  # N = 1000: five chunks of 16 pairs
     ],
 )
-def test_routing_equals_plain_python(device, ids, num_experts, bound):
+def test_routing_equals_plain_python(device, route, ids, num_experts, bound):
     block_m = 16
     assert max_blocks(len(ids) * len(ids[0]), num_experts, block_m) == bound
-    routing = sort_pairs_by_expert(torch.tensor(ids, device=device), num_experts, block_m)
+    routing = route(torch.tensor(ids, device=device), num_experts, block_m)
     rows, experts = routing_by_hand(sum(ids, []), num_experts, block_m)
     assert routing.pair_of_row.tolist() == rows
     assert routing.expert_of_block.tolist() == experts
 
 
-def test_block_bound_holds_for_adversarial_counts():
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tokens, top_k, num_experts, block_m", [(200, 8, 32, 16), (64, 4, 128, 64), (9, 3, 2, 32)])
+def test_routing_kernel_equals_torch_reference(device, tokens, top_k, num_experts, block_m):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(-2, num_experts + 2, (tokens, top_k), generator=gen).to(device, torch.int32)
+    kernel = sort_pairs_by_expert(ids, num_experts, block_m)
+    reference = sort_pairs_by_expert_torch(ids, num_experts, block_m)
+    assert torch.equal(kernel.pair_of_row, reference.pair_of_row)
+    assert torch.equal(kernel.expert_of_block, reference.expert_of_block)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("route", ROUTES)
+def test_block_bound_is_reached_not_passed(device, route):
     """Every bucket one row past a block multiple pads the most: the bound is reached, not passed."""
     for num_experts, block_m in ((5, 16), (40, 16), (3, 64)):
-        ids = torch.arange(num_experts).repeat_interleave(block_m + 1).reshape(1, -1)
-        routing = sort_pairs_by_expert(ids, num_experts, block_m)
+        ids = torch.arange(num_experts, device=device).repeat_interleave(block_m + 1).reshape(1, -1)
+        routing = route(ids, num_experts, block_m)
         used = int((routing.expert_of_block >= 0).sum())
         assert used == routing.expert_of_block.numel() == 2 * num_experts
 
@@ -191,7 +211,7 @@ def test_rejects_what_it_cannot_do(device):
         moe_apply_grouped(x, w1, w2, router, ids, w1_scale=scales[0], w2_scale=scales[1], scale_block=32)
     with pytest.raises(NotImplementedError, match="fp32/fp16/bf16"):
         moe_apply_grouped(x, w1.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn), router, ids)
-    for bad in (8, 24):
+    for bad in (0, 8, 24):
         with pytest.raises(ValueError, match="power of two"):
             moe_apply_grouped(x, w1, w2, router, ids, block_m=bad)
     with pytest.raises(ValueError, match="counter"):
@@ -213,6 +233,16 @@ def test_auto_picks_the_gemv_for_small_calls_and_scales(monkeypatch):
         moe_apply_auto(torch.zeros(tokens, 32), w1, w2, torch.ones(tokens, 1), ids, w1_scale=scales[0],
                        w2_scale=scales[1], scale_block=32)  # fmt: skip
         assert calls.pop() == expected
+
+
+@pytest.mark.parametrize("device", devices())
+def test_custom_op_passes_opcheck(device):
+    """Schema, fake (meta) implementation and dispatch of ``expertcache::moe_apply_grouped``."""
+    x, w1, w2, router, ids = inputs(5, 2, 4, 32, 16, device=device, seed=9)
+    ids[0, 1] = -1
+    torch.library.opcheck(
+        torch.ops.expertcache.moe_apply_grouped.default, (x, w1, w2, router, ids, False, 16, 16, 16, 4, 3)
+    )
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expertcache import CachedWeightProvider, FullGPUProvider, SlotPool
-from expertcache.kernels import moe_apply, moe_apply_passes
+from expertcache.kernels import moe_apply, moe_apply_grouped, moe_apply_passes
 from expertcache.kernels.passes import assign_passes, assign_passes_torch
 from expertcache.kernels.slot_tables import SlotTables
 from expertcache.passes import group_passes, max_passes, pass_count
@@ -148,17 +148,19 @@ def test_shared_pool_and_expert_map_in_passes(mode):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("mode", ["host", "device"])
-def test_moe_apply_over_passes_is_bit_identical_to_one_call(device, mode):
+@pytest.mark.parametrize("kernel", ["gemv", "grouped"])
+def test_moe_apply_over_passes_is_bit_identical_to_one_call(device, mode, kernel):
     gen = torch.Generator().manual_seed(3)
-    weights = random_weights(10, 16, 8, generator=gen)
+    weights = random_weights(10, 32, 16, generator=gen)
     provider = CachedWeightProvider(weights, cache_size=3, mode=mode, device=device)
     full = {name: tensor.to(device) for name, tensor in weights.items()}
+    one_call = moe_apply if kernel == "gemv" else moe_apply_grouped
     for _ in range(3):
         ids = random_topk(9, 3, 10, generator=gen).to(device)
-        hidden = torch.randn(9, 16, generator=gen).to(device)
+        hidden = torch.randn(9, 32, generator=gen).to(device)
         router = torch.rand(9, 3, generator=gen).to(device)
-        ours = moe_apply_passes(hidden, provider.passes(ids), router)
-        assert torch.equal(ours, moe_apply(hidden, full["w1"], full["w2"], router, ids))
+        ours = moe_apply_passes(hidden, provider.passes(ids), router, kernel=kernel)
+        assert torch.equal(ours, one_call(hidden, full["w1"], full["w2"], router, ids))
 
 
 def test_device_mode_yields_the_most_passes_the_shape_allows():
