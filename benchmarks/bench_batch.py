@@ -19,7 +19,10 @@ steps is timed with CUDA events (one graph per batch size). Physical bound of a 
     bound = max(resident step time at that batch size, bytes copied per step / pinned bandwidth)
 
 (copies on the copy engine can overlap compute; streaming copies all L*E experts every step,
-~14.5 GB, ~0.28 s at 51 GB/s; a cache copies its misses). ratio = step time / bound.
+~14.5 GB, ~0.27 s at 54 GB/s; a cache copies its misses). The bandwidth is the faster of two
+measured pinned copy-engine rates: a 64 MiB buffer and one whole layer's store (~1.2 GB, the
+rate streaming gets). ratio = step time / bound. ``rel_err``: the max abs difference of one
+check step's output from the resident step's (same inputs), over the resident's max abs.
 
 ``--prefill 1024 4096``: one forward over T consecutive trace tokens instead (eager), at
 ``--prefill-fraction`` of the experts in slots, fresh (cold) caches, bound = resident forward
@@ -30,7 +33,7 @@ eager, no graphs), results to a temporary folder: a check, not a measurement.
 
     python benchmarks/bench_batch.py [--batch-sizes 1 2 4 ...] [--fractions 0.25 0.5 1.0] [--steps 16]
     python benchmarks/bench_batch.py --prefill 1024 4096
-    python benchmarks/bench_batch.py --dry-run
+    python benchmarks/bench_batch.py --dry-run              (~2 min on a CPU; --prefill 64 for prefill)
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gc  # noqa: E402
+import inspect  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -54,7 +58,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-from _common import append_csv, pinned_copy_gbps, print_table, traces_dir  # noqa: E402
+from _common import append_csv, cuda_time_ms, pinned_copy_gbps, print_table, traces_dir  # noqa: E402
 from bench_decode import QWEN3_TRACE, qwen3_routing  # noqa: E402
 from layer_streaming import StreamingLayers  # noqa: E402
 
@@ -69,7 +73,7 @@ QWEN3 = dict(name="Qwen3-30B-A3B", hidden=2048, inter=768, experts=128, top_k=8,
 TINY = dict(name="tiny (dry run)", hidden=64, inter=32, experts=128, top_k=8, layers=3, dtype=torch.float32)
 
 
-@dataclass
+@dataclasses.dataclass
 class Bench:
     """What every variant shares: shape, device, stores, routing source, apply, bandwidth."""
 
@@ -77,8 +81,8 @@ class Bench:
     device: torch.device
     stores: list[CPUBackingStore]
     trace: np.ndarray  # [N, L, K] expert ids
-    apply: Callable
-    copy_gbps: float
+    apply: Callable | None  # None: DecodeStack's default
+    copy_gbps: float  # the bound's bandwidth: the faster of the measured rates (64 MiB, one layer)
     graphs: bool
 
     @property
@@ -89,15 +93,46 @@ class Bench:
 # -- inputs ----------------------------------------------------------------------------------
 
 
-def resolve_apply(choice: str) -> tuple[Callable, str]:
-    """`moe_apply_auto` (grouped GEMM for many pairs) when it exists, else `moe_apply`."""
+#: `DecodeStack`'s own apply: `moe_apply` (one call per pass) or an apply over a call's passes.
+DEFAULT_APPLY = inspect.signature(DecodeStack).parameters["apply"].default
+
+
+def resolve_apply(choice: str) -> tuple[Callable | None, str]:
+    """The apply every variant runs, for `DecodeStack` (None: the stack's default).
+
+    ``auto``: `moe_apply_auto` (grouped GEMM for many pairs) when it exists, else `moe_apply`;
+    ``gemv``: `moe_apply`. Both have `moe_apply`'s per-result signature; a stack whose apply
+    takes a call's passes gets them summed over the passes in fp32, then rounded once.
+    """
+    if choice == "default":
+        return None, DEFAULT_APPLY.__name__
+    per_result, name = moe_apply, "moe_apply"
     if choice == "auto":
         try:
             from expertcache.kernels.grouped_apply import moe_apply_auto
         except ImportError:
-            return moe_apply, "moe_apply (moe_apply_auto missing)"
-        return moe_apply_auto, "moe_apply_auto"
-    return moe_apply, "moe_apply"
+            name = "moe_apply (moe_apply_auto missing)"
+        else:
+            per_result, name = moe_apply_auto, "moe_apply_auto"
+    if DEFAULT_APPLY is moe_apply:  # the stack calls apply once per result
+        return per_result, name
+    return summed_over_passes(per_result), f"{name}, summed over passes"
+
+
+def summed_over_passes(apply: Callable) -> Callable:
+    """``(hidden, results, topk_weights) -> [T, H]`` from a per-result apply: fp32 sum, one rounding."""
+
+    def run(hidden: torch.Tensor, results, topk_weights: torch.Tensor) -> torch.Tensor:
+        total = None
+        for r in results:  # each pass's kernels are enqueued before the next pass is asked for
+            part = apply(hidden, r.w1, r.w2, topk_weights, r.topk_ids, w1_scale=r.w1_scale, w2_scale=r.w2_scale,
+                         fp32_out=True)  # fmt: skip
+            total = part if total is None else total + part
+        if total is None:
+            raise ValueError("the provider yielded no pass")
+        return total.to(hidden.dtype)
+
+    return run
 
 
 def layer_weights(shape: dict, device: torch.device, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -121,20 +156,25 @@ def prefill_routing(trace: np.ndarray, tokens: int) -> np.ndarray:
     return trace[np.arange(tokens) % trace.shape[0]].transpose(1, 0, 2)
 
 
-def copy_bandwidth_gbps(device: torch.device) -> float:
-    """Pinned host -> GPU copy-engine GB/s on a 64 MiB buffer (a host memcpy on a CPU)."""
+def copy_bandwidth_gbps(store: CPUBackingStore, device: torch.device) -> tuple[float, float]:
+    """Pinned host -> GPU copy-engine GB/s of a 64 MiB buffer and of one whole layer's store
+    (~1.2 GB; large copies run a few GB/s faster). A host memcpy on a CPU (dry run)."""
     if device.type == "cuda":
-        return pinned_copy_gbps(64 * 2**20)
-    source, target = torch.empty(64 * 2**20, dtype=torch.uint8), torch.empty(64 * 2**20, dtype=torch.uint8)
+        target = torch.empty(store.nbytes, dtype=torch.uint8, device=device)
+        layer_ms = cuda_time_ms(lambda: target.copy_(store.buffer, non_blocking=True), repeats=5, warmup=1)
+        del target
+        return pinned_copy_gbps(64 * 2**20), store.nbytes / layer_ms / 1e6
+    target = torch.empty_like(store.buffer)
     start = time.perf_counter()
-    target.copy_(source)
-    return source.nbytes / (time.perf_counter() - start) / 1e9
+    target.copy_(store.buffer)
+    gbps = store.nbytes / (time.perf_counter() - start) / 1e9
+    return gbps, gbps
 
 
 # -- variants ----------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclasses.dataclass
 class Variant:
     """Providers for one way of serving the experts, and how to count its copies."""
 
@@ -177,6 +217,14 @@ def variant_builders(bench: Bench, fractions: list[float]) -> list[tuple[str, Ca
 # -- measurement -------------------------------------------------------------------------------
 
 
+def make_stack(bench: Bench, variant: Variant) -> DecodeStack:
+    """The variant's decode stack; dense parts from one seed, so every variant computes alike."""
+    apply = {} if bench.apply is None else {"apply": bench.apply}
+    shape = bench.shape
+    return DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=bench.device,
+                       **apply)  # fmt: skip
+
+
 def total_stats(providers) -> CacheStats:
     return sum((p.stats for p in providers), CacheStats())
 
@@ -207,25 +255,24 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
     routing = torch.from_numpy(batch_routing(bench.trace, batch, warmup + steps)).to(device)
     gen = torch.Generator(device=device).manual_seed(batch)
     hidden = torch.randn(warmup + steps, batch, shape["hidden"], device=device, generator=gen, dtype=shape["dtype"])
-    stack = DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=device,
-                        apply=bench.apply)  # fmt: skip
+    stack = make_stack(bench, variant)
     step = GraphedDecodeStep(stack, hidden[0], routing[:1]) if variant.graph else stack.step
     for index in range(warmup):
         step(hidden[index], routing[index])
     before = total_stats(variant.providers)
-    outputs = [None]
 
     def run() -> None:
         for index in range(warmup, warmup + steps):
-            outputs[0] = step(hidden[index], routing[index])
+            step(hidden[index], routing[index])
 
     ms = timed_ms(run, device) / steps
     delta = _stats_delta(total_stats(variant.providers), before)
+    check = check_output(step, batch, shape, routing[0], device)
     copied = variant.bytes_per_step if variant.bytes_per_step is not None else delta.bytes_h2d / steps
     row = {
         "variant": variant.name, "cache": variant.cache, "batch": batch, "graph": variant.graph,
         "ms_per_step": ms, "tok_per_s": 1e3 * batch / ms, "mb_copied_per_step": copied / 1e6,
-        "copy_ms": copied / (bench.copy_gbps * 1e6), "output": outputs[0].float().clone(),
+        "copy_ms": copied / (bench.copy_gbps * 1e6), "output": check,
     }  # fmt: skip
     if variant.bytes_per_step is None and variant.name != "resident":
         row.update(hit_rate=delta.hit_rate, overflows=delta.overflows,
@@ -233,9 +280,15 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
     return row
 
 
+def check_output(step: Callable, batch: int, shape: dict, routing: torch.Tensor, device) -> torch.Tensor:
+    """One more step on inputs every variant sees alike: its fp32 output, to compare."""
+    gen = torch.Generator(device=device).manual_seed(10_000 + batch)
+    hidden = torch.randn(batch, shape["hidden"], device=device, generator=gen, dtype=shape["dtype"])
+    return step(hidden, routing).float().clone()
+
+
 def _stats_delta(after: CacheStats, before: CacheStats) -> CacheStats:
-    names = ("hits", "misses", "evictions", "bytes_h2d", "calls", "invalid_ids", "overflows")
-    return CacheStats(*(getattr(after, n) - getattr(before, n) for n in names))
+    return CacheStats(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)})
 
 
 def error_text(err: Exception) -> str:
@@ -282,7 +335,7 @@ def finish_row(row: dict, output: torch.Tensor | None, resident: tuple | None) -
     row["bound_ms"] = max(resident_ms, row["copy_ms"])
     row["ratio_to_bound"] = row["ms_per_step"] / row["bound_ms"]
     row["max_abs_err"] = (output - reference).abs().max().item()
-    row["ref_max_abs"] = reference.abs().max().item()
+    row["rel_err"] = row["max_abs_err"] / max(reference.abs().max().item(), 1e-30)
     return row
 
 
@@ -290,7 +343,7 @@ def finish_row(row: dict, output: torch.Tensor | None, resident: tuple | None) -
 
 DECODE_COLUMNS = [
     "variant", "cache", "batch", "graph", "ms_per_step", "tok_per_s", "hit_rate", "max_passes",
-    "mb_copied_per_step", "copy_ms", "bound_ms", "ratio_to_bound", "overflows", "max_abs_err", "error",
+    "mb_copied_per_step", "copy_ms", "bound_ms", "ratio_to_bound", "overflows", "rel_err", "error",
 ]  # fmt: skip
 
 
@@ -330,8 +383,8 @@ def run_prefill(bench: Bench, args, resident: list[dict]) -> list[dict]:
                 row["error"] = error_text(err)
             if name == "resident":
                 resident_ms = row.get("ms")
-            if resident_ms is not None and "ms" in row:
-                row["bound_ms"] = resident_ms + touched / (bench.copy_gbps * 1e6)
+            if resident_ms is not None and "ms" in row:  # the resident forward copies nothing
+                row["bound_ms"] = resident_ms + (0 if name == "resident" else touched / (bench.copy_gbps * 1e6))
                 row["ratio_to_bound"] = row["ms"] / row["bound_ms"]
             rows.append(row)
             gc.collect()
@@ -345,8 +398,7 @@ def prefill_once(bench: Bench, build: Callable[[], Variant], hidden, routing, re
     times, copied = [], []
     for repeat in range(repeats + 1):
         variant = build()
-        stack = DecodeStack(variant.providers, bench.shape["hidden"], bench.shape["experts"],
-                            dtype=bench.shape["dtype"], device=bench.device, apply=bench.apply)  # fmt: skip
+        stack = make_stack(bench, variant)
         ms = timed_ms(lambda stack=stack: stack.step(hidden, routing), bench.device)
         if repeat:  # the first forward compiles
             times.append(ms)
@@ -369,7 +421,8 @@ def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Pa
     except ImportError:
         print("matplotlib is not installed: no plot")
         return None
-    fig, axes = plt.subplots(1, len(fractions), figsize=(5 * len(fractions), 4), sharey=True, squeeze=False)
+    width = max(6.5, 5 * len(fractions))
+    fig, axes = plt.subplots(1, len(fractions), figsize=(width, 4.5), sharey=True, squeeze=False)
     for axis, fraction in zip(axes[0], fractions, strict=True):
         cache = f"{fraction:.0%}"
         lines: dict[str, list] = {}
@@ -383,7 +436,7 @@ def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Pa
         axis.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("tokens / s")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -399,14 +452,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=16, help="timed steps per variant and batch size")
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps first (cache warm-up)")
     parser.add_argument("--streaming-steps", type=int, default=3, help="timed steps of streaming (~0.3 s each)")
-    parser.add_argument("--apply", choices=("auto", "gemv"), default="auto", help="auto: moe_apply_auto if present")
+    parser.add_argument("--apply", choices=("auto", "gemv", "default"), default="default",
+                        help="auto: moe_apply_auto if present; default: DecodeStack's own")  # fmt: skip
     parser.add_argument("--prefill", type=int, nargs="+", default=None, metavar="T", help="prefill mode: T tokens")
     parser.add_argument("--prefill-fraction", type=float, default=0.25)
     parser.add_argument("--prefill-repeats", type=int, default=2)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, interpreted kernels")
     args = parser.parse_args()
     if args.dry_run and args.batch_sizes == parser.get_default("batch_sizes"):
-        args.batch_sizes = [1, 4, 16]
+        args.batch_sizes = [1, 16]  # 16: several passes at 25%, and the grouped apply
     if args.dry_run:
         args.steps, args.warmup, args.streaming_steps = min(args.steps, 2), min(args.warmup, 1), 1
     return args
@@ -425,12 +479,14 @@ def build_bench(args) -> tuple[Bench, list[dict]]:
     _, layout = layout_from_weights(resident[0])
     stores = [CPUBackingStore(layout, w, pin=device.type == "cuda") for w in resident]
     apply, apply_name = resolve_apply(args.apply)
-    bench = Bench(shape, device, stores, trace, apply, copy_bandwidth_gbps(device), graphs=device.type == "cuda")
-    shape["apply"] = apply_name
+    small_gbps, layer_gbps = copy_bandwidth_gbps(stores[0], device)
+    bench = Bench(shape, device, stores, trace, apply, max(small_gbps, layer_gbps), graphs=device.type == "cuda")
+    shape.update(apply=apply_name, pinned_gbps_64mib=small_gbps, pinned_gbps_layer=layer_gbps)
     print(f"{shape['name']}: {shape['layers']} layers x {shape['experts']} experts, "
           f"{bench.expert_bytes / 1e6:.2f} MB per expert, {trace.shape[0]} trace tokens, apply {apply_name}; "
           f"{sum(s.nbytes for s in stores) / 1e9:.2f} GB built and pinned in {time.perf_counter() - start:.1f} s; "
-          f"copy bandwidth {bench.copy_gbps:.1f} GB/s (64 MiB)", flush=True)  # fmt: skip
+          f"pinned copy bandwidth {small_gbps:.1f} GB/s (64 MiB), {layer_gbps:.1f} GB/s (one layer, "
+          f"{stores[0].nbytes / 1e9:.2f} GB)", flush=True)  # fmt: skip
     return bench, resident
 
 
@@ -442,7 +498,8 @@ def main() -> None:
     bench, resident = build_bench(args)
     shape = bench.shape
     stamp = {"shape": shape["name"], "layers": shape["layers"], "dtype": str(shape["dtype"]).removeprefix("torch."),
-             "apply": shape["apply"], "pinned_gbps": bench.copy_gbps}  # fmt: skip
+             "apply": shape["apply"], "pinned_gbps": bench.copy_gbps, "pinned_gbps_64mib": shape["pinned_gbps_64mib"],
+             "pinned_gbps_layer": shape["pinned_gbps_layer"]}  # fmt: skip
     if args.prefill:
         rows = run_prefill(bench, args, resident)
         columns = ["variant", "tokens", "ms", "mb_touched", "mb_copied", "bound_ms", "ratio_to_bound", "error"]
@@ -454,7 +511,7 @@ def main() -> None:
         print_table(rows, DECODE_COLUMNS, title=f"{shape['name']} decode, {shape['layers']} layers; bound = "
                     f"max(resident step, copied bytes / {bench.copy_gbps:.1f} GB/s)")  # fmt: skip
         print(f"CSV: {append_csv('bench_batch', [{**stamp, **r} for r in rows])}")
-        title = f"{shape['name']} decode, {shape['layers']} layers, {shape['apply']}, {_common.environment()['gpu']}"
+        title = f"{shape['name']} decode, {shape['layers']} layers\n{shape['apply']}, {_common.environment()['gpu']}"
         print(f"plot: {plot(rows, args.fractions, _common.RESULTS / 'bench_batch.png', title)}")
     print(f"total {time.perf_counter() - start:.1f} s")
 

@@ -35,8 +35,8 @@ for step in $steps; do
     families) timeout 300 python3 benchmarks/family_equivalence.py --device cuda 2>&1 | tee "$OUT/family_equivalence.log" ;;
     generate) timeout 420 python3 benchmarks/bench_generate.py --layers 12 2>&1 | tee "$OUT/bench_generate.log" ;;
     apply) timeout 240 python3 benchmarks/bench_apply.py 2>&1 | tee "$OUT/bench_apply.log" ;;
-    batch) timeout 420 python3 benchmarks/bench_batch.py 2>&1 | tee "$OUT/bench_batch.log" ;;
-    prefill) timeout 300 python3 benchmarks/bench_batch.py --prefill 1024 4096 2>&1 | tee "$OUT/bench_prefill.log" ;;
+    batch) timeout ${BATCH_TIMEOUT:-420} python3 benchmarks/bench_batch.py ${BATCH_ARGS:-} 2>&1 | tee "$OUT/bench_batch.log" ;;
+    prefill) timeout ${PREFILL_TIMEOUT:-300} python3 benchmarks/bench_batch.py ${PREFILL_ARGS:---prefill 1024 4096} 2>&1 | tee "$OUT/bench_prefill.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,6 +1,7 @@
 """The whole-layer streaming baseline (`benchmarks/layer_streaming.py`) computes what the
-all-resident stack computes: on the CPU (the ring's buffer logic, plain copies) and on a GPU
-(side-stream copies with events, a whole step captured in a CUDA graph and replayed)."""
+all-resident stack computes: on the CPU (the ring's buffer logic, plain copies; eagerly on
+a GPU machine, with side-stream copies) and on a GPU with a whole step captured in a CUDA
+graph and replayed. Both stacks run `DecodeStack`'s default apply."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import devices
 from helpers import random_topk, random_weights
 
-from expertcache import FullGPUProvider
+from expertcache import ExpertWeightProvider, FullGPUProvider
 from expertcache.decode_stack import DecodeStack, GraphedDecodeStep
-from expertcache.kernels import moe_apply, moe_apply_torch
 from expertcache.layout import layout_from_weights
 from expertcache.store import CPUBackingStore
 
@@ -21,12 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from layer_streaming import StreamingLayers  # noqa: E402
 
 E, H, INTER, K = 8, 32, 16, 2
-
-
-def reference_apply(hidden, w1, w2, weights, ids, *, w1_scale=None, w2_scale=None, fp32_out=False):
-    """`moe_apply_torch` with `moe_apply`'s ``fp32_out``: runs on any device, no interpreter."""
-    out = moe_apply_torch(hidden.float(), w1, w2, weights, ids, w1_scale=w1_scale, w2_scale=w2_scale)
-    return out if fp32_out else out.to(hidden.dtype)
 
 
 def layer_weights(num_layers: int, *, experts=E, hidden=H, inter=INTER, device="cpu", seed=0) -> list[dict]:
@@ -61,16 +56,15 @@ def routing_steps(steps: int, num_layers: int, tokens: int, *, experts=E, device
         (5, 2),
     ],
 )
-def test_streaming_equals_resident_on_cpu(num_layers, depth):
-    weights = layer_weights(num_layers)
-    ring = StreamingLayers(stores_of(weights, pin=False), depth, device="cpu")
+@pytest.mark.parametrize("device", devices())
+def test_streaming_equals_resident_eagerly(num_layers, depth, device):
+    weights = layer_weights(num_layers, device=device)
+    ring = StreamingLayers(stores_of(weights, pin=device == "cuda"), depth, device=device)
     assert len(ring.buffers) == depth + 1
-    streamed = DecodeStack(ring.providers, H, E, dtype=torch.float32, device="cpu", apply=reference_apply)
-    resident = DecodeStack(
-        [FullGPUProvider(w) for w in weights], H, E, dtype=torch.float32, device="cpu", apply=reference_apply
-    )
-    routing = routing_steps(4, num_layers, tokens=3)
-    hidden = torch.randn(4, 3, H, generator=torch.Generator().manual_seed(2))
+    streamed = DecodeStack(ring.providers, H, E, dtype=torch.float32, device=device)
+    resident = DecodeStack([FullGPUProvider(w) for w in weights], H, E, dtype=torch.float32, device=device)
+    routing = routing_steps(4, num_layers, tokens=3, device=device)
+    hidden = torch.randn(4, 3, H, generator=torch.Generator().manual_seed(2)).to(device)
     for step in range(4):  # several steps: each must start from layer 0's weights again
         assert torch.equal(streamed.step(hidden[step], routing[step]), resident.step(hidden[step], routing[step]))
 
@@ -106,17 +100,19 @@ def test_layers_out_of_order_and_bad_depths_raise():
     ring.providers[1].prepare(ids)
 
 
-def delayed(apply, delay_cycles: int):
-    """``apply`` behind a GPU spin on the current stream: a layer's compute that runs late.
+class Delayed(ExpertWeightProvider):
+    """``inner``'s weights, then a GPU spin on the current stream before the layer reads them.
 
-    If a prefetch did not wait for the compute that last read its buffer, it would overwrite
-    the buffer before the delayed compute reads it."""
+    The layer's compute runs late: a prefetch that did not wait for the compute that last
+    read its buffer would overwrite the buffer before the delayed compute reads it."""
 
-    def run(*args, **kwargs):
-        torch.cuda._sleep(delay_cycles)
-        return apply(*args, **kwargs)
+    def __init__(self, inner: ExpertWeightProvider, delay_cycles: int) -> None:
+        self.inner, self.delay_cycles = inner, delay_cycles
 
-    return run
+    def prepare(self, topk_ids):
+        result = self.inner.prepare(topk_ids)
+        torch.cuda._sleep(self.delay_cycles)
+        return result
 
 
 @pytest.mark.gpu
@@ -127,11 +123,10 @@ def test_graphed_streaming_replays_equal_eager_resident(num_layers, depth, delay
     shape = dict(experts=32, hidden=512, inter=256)
     weights = layer_weights(num_layers, device="cuda", **shape)
     ring = StreamingLayers(stores_of(weights, pin=True), depth, device="cuda")
-    apply = delayed(moe_apply, delay_cycles)
-    streamed = DecodeStack(ring.providers, shape["hidden"], shape["experts"], dtype=torch.float32, device="cuda",
-                           apply=apply)  # fmt: skip
+    providers = [Delayed(p, delay_cycles) for p in ring.providers]
+    streamed = DecodeStack(providers, shape["hidden"], shape["experts"], dtype=torch.float32, device="cuda")
     resident = DecodeStack([FullGPUProvider(w) for w in weights], shape["hidden"], shape["experts"],
-                           dtype=torch.float32, device="cuda", apply=moe_apply)  # fmt: skip
+                           dtype=torch.float32, device="cuda")  # fmt: skip
     steps, tokens = 6, 4
     routing = routing_steps(steps, num_layers, tokens, experts=shape["experts"], device="cuda")
     hidden = torch.randn(steps, tokens, shape["hidden"], device="cuda")
