@@ -26,7 +26,9 @@ from expertcache.kernels.remap import lookup_slots
 from expertcache.kernels.slot_tables import SlotTables, add_counts
 
 
-@triton.jit
+# The counts change every call: specialising on them (== 1, multiples of 16) would compile
+# new variants mid-run.
+@triton.jit(do_not_specialize=["hits", "misses", "evictions", "calls", "pass_index"])
 def _commit_kernel(
     plan_ptr, expert_to_slot_ptr, slot_to_key_ptr, counters_ptr, ids_ptr, global_to_local_ptr, out_ptr, pass_ptr,
     num_ids, num_global, num_keys, num_slots, key_offset, layer, hits, misses, evictions, calls, pass_index,
