@@ -20,7 +20,9 @@ import argparse
 import importlib
 import sys
 
-from expertcache.commands.arguments import positive_int
+import torch
+
+from expertcache.commands.arguments import device_name, positive_int
 from expertcache.config import (
     BUDGETS,
     DEFAULT_BUDGET,
@@ -65,8 +67,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     ``--moe-expert-cache-size N`` (GPU slots per MoE layer; absent: no cache),
     ``--moe-expert-cache-policy`` (eviction policy; simulation-only ones are not offered),
     ``--moe-expert-cache-budget`` (``per-layer`` or ``global``), ``--moe-expert-cache-mode``
-    (``host`` or ``device``) and ``--moe-pin-budget`` (e.g. ``64GiB``, at most 2**53 bytes,
-    read exactly). Malformed values are rejected by the parser at once.
+    (``host`` or ``device``), ``--moe-expert-cache-device`` (where the slots live; default:
+    the GPU when there is one) and ``--moe-pin-budget`` (e.g. ``64GiB``, at most 2**53
+    bytes, read exactly). Malformed values are rejected by the parser at once.
     """
     group = parser.add_argument_group("expert cache (serve MoE experts from host memory)")
     group.add_argument(
@@ -98,6 +101,14 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         "no host sync, CUDA-graph capturable (default: host)",
     )
     group.add_argument(
+        "--moe-expert-cache-device",
+        type=device_name,
+        default=None,
+        metavar="DEVICE",
+        help="where the slots live: cuda, cuda:N or cpu (default: cuda when this machine has a GPU, "
+        "else where the weights are); a GPU cache keeps every expert in pinned host memory",
+    )
+    group.add_argument(
         "--moe-pin-budget",
         type=_byte_size,
         default=None,
@@ -111,20 +122,28 @@ def cache_config_from_args(args: argparse.Namespace) -> ExpertCacheConfig | None
     """The `ExpertCacheConfig` the flags describe, or None when ``--moe-expert-cache-size``
     was not given (the cache is off).
 
+    The slots go where ``--moe-expert-cache-device`` says; without it, on ``"cuda"`` (the
+    current GPU) when this machine has one, so a model loaded on the host is served from a
+    pinned store into GPU slots, else (None) where the weights are.
+
     Raises:
         ValueError: a combination the flags' own parsing could not reject (device mode with
             another policy than lru), or device mode on a machine that cannot run it.
     """
     if args.moe_expert_cache_size is None:
         return None
+    device = getattr(args, "moe_expert_cache_device", None)
+    if device is None and torch.cuda.is_available():
+        device = "cuda"
     config = ExpertCacheConfig(
         cache_size=args.moe_expert_cache_size,
         policy=args.moe_expert_cache_policy,
         budget=args.moe_expert_cache_budget,
         pin_budget_bytes=args.moe_pin_budget,
+        device=None if device is None else str(device),
         mode=args.moe_expert_cache_mode,
     )
-    check_mode_runs_here(config.mode)
+    check_mode_runs_here(config.mode, config.device)
     return config
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 from transformers_helpers import TINY, tiny_model
 
 from expertcache.cli import add_cache_arguments, cache_config_from_args, main
@@ -27,8 +28,10 @@ def test_flags_build_the_config():
         ["--moe-expert-cache-size", "16", "--moe-expert-cache-budget", "per-layer",
          "--moe-pin-budget", "1.5GiB"]
     )  # fmt: skip
+    # no --moe-expert-cache-device: the GPU when there is one, else where the weights are
+    default_device = "cuda" if torch.cuda.is_available() else None
     assert cache_config_from_args(args) == ExpertCacheConfig(
-        cache_size=16, policy="lru", budget="per-layer", pin_budget_bytes=int(1.5 * 2**30)
+        cache_size=16, policy="lru", budget="per-layer", pin_budget_bytes=int(1.5 * 2**30), device=default_device
     )
     defaults = _engine_parser().parse_args(["--moe-expert-cache-size", "2"])
     assert cache_config_from_args(defaults).budget == DEFAULT_BUDGET

@@ -6,8 +6,8 @@ registers one more entry there; a served module's config names it, and each call
 
     hidden [T, H], top_k_index [T, K] (expert ids), top_k_weights [T, K]
       -> provider.passes(top_k_index)            misses copied into slots, ids -> slot ids
-      -> SlotView(module): the module with its per-expert parameters replaced by the slot
-         buffers ([S, ...]) and num_experts by S
+      -> SlotView(module): the module with its per-expert parameters replaced by slot
+         tensors ([N, ...]) and num_experts by N (see "what an implementation sees")
       -> the implementation the module used before (eager, grouped_mm, batched_mm, ...),
          unchanged, on the SlotView with the slot ids; summed over the passes
 
@@ -17,7 +17,21 @@ slots runs in expert-group passes (`expertcache.passes`): the strategy of the si
 the EP layer too, each expert copied at most once per call. transformers' implementations
 do not skip -1 ids, so in each pass only the tokens with an id of that pass run (eagerly;
 inside a CUDA graph every token runs), the other passes' ids pointed at one of this pass's
-slots and weighted 0.
+slots and weighted 0: no -1 ever reaches an implementation.
+
+What an implementation sees: the whole pool (``N = S``, no copy) while ``S`` is within
+what it handles uncached: any ``S`` for ``batched_mm`` (it gathers ``w[ids]`` itself), at
+most `GROUPED_MM_MAX_GROUPS` for ``grouped_mm`` (torch's kernel refuses more groups), at
+most the layer's experts ``E`` for every other one (``eager`` builds ``one_hot(ids, N + 1)``,
+``[T, K, N + 1]`` int64). A larger pool (a global budget over many layers) is compacted per
+pass: only the pass's slots, gathered into ``[N, ...]`` with ids renumbered ``0..N-1``;
+``N`` is their number eagerly and a fixed ``min(E, T*K, S)`` inside a CUDA graph (no sync).
+
+A forward pre-hook on each served module keeps two promises at every call: an
+implementation chosen with ``model.set_experts_implementation(...)`` while served is
+followed (the cache keeps serving, now wrapping that one; ``disable()`` leaves it
+selected), and a dtype change of the model (``model.to(torch.bfloat16)``), which the
+cached experts do not follow, is refused with an error saying what to do.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ import inspect
 import types
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,7 +52,24 @@ from expertcache.trace.recorder import RoutingRecorder
 #: The name under which the cache is registered in transformers' experts registry.
 IMPLEMENTATION_NAME = "expertcache"
 
+#: The most groups (experts) torch's ``grouped_mm`` takes in one call on CUDA.
+GROUPED_MM_MAX_GROUPS = 1024
+
 ExpertsFunction = Callable[..., torch.Tensor]
+
+
+@dataclass
+class Selection:
+    """The experts implementation that the blocks of one config run on the slots.
+
+    Attributes:
+        config: the (sub)config the blocks share; while served it names `IMPLEMENTATION_NAME`.
+        name: the implementation to wrap (what the config named before, or what
+            ``set_experts_implementation`` chose since).
+    """
+
+    config: object
+    name: str
 
 
 @dataclass
@@ -51,6 +82,10 @@ class Binding:
         parameter_of: cache name (``w1``, ``w2``, extras) -> the module's parameter name.
         layer: model layer index (for the routing trace).
         recorder: where to record ``top_k_index``, or None.
+        selection: the shared choice of implementation (None: ``inner`` is fixed).
+        implementation: the registry name ``inner`` was resolved from.
+        dtypes: parameter name -> dtype of the cached experts (checked at every call).
+        hook: the handle of the module's forward pre-hook (removed by `unbind`).
     """
 
     provider: CachedWeightProvider
@@ -58,6 +93,10 @@ class Binding:
     parameter_of: dict[str, str]
     layer: int
     recorder: RoutingRecorder | None = None
+    selection: Selection | None = None
+    implementation: str = "eager"
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    hook: object = None
 
 
 _BINDINGS: weakref.WeakKeyDictionary[nn.Module, Binding] = weakref.WeakKeyDictionary()
@@ -68,21 +107,76 @@ def bind(module: nn.Module, binding: Binding) -> None:
     if module in _BINDINGS:
         raise RuntimeError(f"{type(module).__name__} is already served by an expert cache")
     _BINDINGS[module] = binding
+    binding.hook = module.register_forward_pre_hook(_before_forward)
 
 
 def unbind(module: nn.Module) -> None:
-    _BINDINGS.pop(module, None)
+    binding = _BINDINGS.pop(module, None)
+    if binding is not None and binding.hook is not None:
+        binding.hook.remove()  # type: ignore[attr-defined]
 
 
 def is_bound(module: nn.Module) -> bool:
     return module in _BINDINGS
 
 
-class SlotView:
-    """Stands in for an experts module during one call, reading the slot buffers.
+def resolve(module: nn.Module, name: str) -> ExpertsFunction:
+    """The experts function registered as ``name`` for ``module``'s class (``"eager"``: its
+    own forward). Raises KeyError for a name the registry does not hold."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    Attribute lookups fall through to the module, except the per-expert parameters (the
-    slot buffers ``[S, ...]``) and ``num_experts`` (``S``). Methods defined on the module's
+    from expertcache.integrations.transformers.discovery import experts_interface_of
+
+    interface = experts_interface_of(module) or ALL_EXPERTS_FUNCTIONS
+    original_forward = getattr(type(module).forward, "__wrapped__")  # noqa: B009 - set by the decorator
+    return interface.get_interface(str(name), original_forward)
+
+
+def chosen_implementation(selection: Selection) -> str:
+    """The implementation the blocks of ``selection`` should run now: a name the config was
+    given since (``set_experts_implementation``), else the one recorded."""
+    named = getattr(selection.config, "_experts_implementation", None)
+    return str(named) if named and named != IMPLEMENTATION_NAME else selection.name
+
+
+def set_config_implementation(config: object, name: object) -> None:
+    """Write ``config``'s experts implementation (the internal field, not the property: the
+    property's setter also rewrites sub-configs)."""
+    if hasattr(config, "_experts_implementation_internal"):
+        config._experts_implementation_internal = name  # type: ignore[attr-defined]
+    else:
+        config._experts_implementation = name  # type: ignore[attr-defined]
+
+
+def _before_forward(module: nn.Module, args: tuple) -> None:
+    binding = _BINDINGS.get(module)
+    if binding is None:
+        return
+    selection = binding.selection
+    if selection is not None:
+        name = chosen_implementation(selection)
+        if name != binding.implementation:
+            binding.inner = resolve(module, name)  # a bad name raises before anything changes
+            binding.implementation = name
+        selection.name = name
+        if getattr(selection.config, "_experts_implementation", None) != IMPLEMENTATION_NAME:
+            set_config_implementation(selection.config, IMPLEMENTATION_NAME)
+    for parameter_name, dtype in binding.dtypes.items():
+        now = getattr(module, parameter_name).dtype
+        if now != dtype:
+            raise RuntimeError(
+                f"{type(module).__name__}.{parameter_name} was cast from {dtype} to {now} (model.to, .half(), "
+                f".bfloat16()) after the expert cache was enabled, but the cache holds the experts in {dtype}: "
+                f"the outputs would differ. Call disable() on the ExpertCacheHandle (it puts the experts back "
+                f"in {now}), then enable_expert_cache again"
+            )
+
+
+class SlotView:
+    """Stands in for an experts module during one call, reading slot tensors.
+
+    Attribute lookups fall through to the module, except the per-expert parameters (slot
+    tensors ``[N, ...]``) and ``num_experts`` (``N``). Methods defined on the module's
     class are bound to the view, so helpers that read weights through ``self`` read slots.
     """
 
@@ -104,6 +198,15 @@ class SlotView:
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"SlotView is read-only (tried to set {name!r})")
+
+
+def most_experts(implementation: str, num_experts: int) -> int | None:
+    """The largest ``N`` an implementation is handed uncompacted (None: any)."""
+    if implementation == "batched_mm":
+        return None
+    if implementation == "grouped_mm":
+        return GROUPED_MM_MAX_GROUPS
+    return num_experts
 
 
 def expertcache_experts_forward(
@@ -149,7 +252,6 @@ def _run_pass(
     """The inner implementation on one pass's slots; ids of other passes contribute 0."""
     slots = {"w1": result.w1, "w2": result.w2, **result.extra}
     tensors = {binding.parameter_of[name]: tensor for name, tensor in slots.items()}
-    view = SlotView(module, tensors, binding.provider.pool.num_slots)
     ids = result.topk_ids
     served = ids >= 0
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -157,19 +259,68 @@ def _run_pass(
         # No sync: every token runs; a pass with no id at all is dropped by selection (its
         # filler slot may be free, full of NaN), never by multiplying.
         filler = ids.max().clamp(min=0)
-        part = binding.inner(view, hidden_states, torch.where(served, ids, filler), top_k_weights * served)
+        view, local = _present(binding, module, tensors, torch.where(served, ids, filler), fixed=True)
+        part = binding.inner(view, hidden_states, local, top_k_weights * served)
         return torch.where(served.any(), part, torch.zeros_like(part))
     if bool(served.all()):
-        return binding.inner(view, hidden_states, ids, top_k_weights)
+        view, local = _present(binding, module, tensors, ids, fixed=False)
+        return binding.inner(view, hidden_states, local, top_k_weights)
     rows = served.any(dim=1).nonzero().squeeze(1)
     out = torch.zeros_like(hidden_states)
     if rows.numel():
         mine = ids[rows]
         filler = mine.max()  # some slot of this pass: loaded, finite
         mask = served[rows]
-        part = binding.inner(view, hidden_states[rows], torch.where(mask, mine, filler), top_k_weights[rows] * mask)
+        view, local = _present(binding, module, tensors, torch.where(mask, mine, filler), fixed=False)
+        part = binding.inner(view, hidden_states[rows], local, top_k_weights[rows] * mask)
         out = out.index_copy(0, rows, part.to(out.dtype))
     return out
+
+
+def _present(
+    binding: Binding, module: nn.Module, tensors: dict[str, torch.Tensor], ids: torch.Tensor, *, fixed: bool
+) -> tuple[SlotView, torch.Tensor]:
+    """The `SlotView` and ids to hand the implementation: the pool as it is, or (a pool
+    larger than the implementation handles) only the slots ``ids`` use, renumbered.
+
+    Args:
+        ids: ``[T, K]`` slot ids, every one a slot of this pass (no -1).
+        fixed: inside a CUDA graph / torch.compile: a fixed-size table, no host sync.
+    """
+    num_slots = binding.provider.pool.num_slots
+    limit = most_experts(binding.implementation, binding.provider.num_experts)
+    if limit is None or num_slots <= limit or ids.numel() == 0:
+        return SlotView(module, tensors, num_slots), ids
+    if fixed:
+        size = min(binding.provider.num_experts, ids.numel(), num_slots)
+        table, local = compact_slots(ids, size)
+    else:
+        table, local = torch.unique(ids, return_inverse=True)
+    gathered = {name: tensor.index_select(0, table) for name, tensor in tensors.items()}
+    return SlotView(module, gathered, int(table.numel())), local
+
+
+def compact_slots(ids: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct values of ``ids`` in a ``[size]`` table, and ``ids`` renumbered into it,
+    with fixed shapes and no host sync (CUDA-graph capturable).
+
+    Args:
+        ids: ``[T, K]`` non-negative slot ids with at most ``size`` distinct values.
+        size: the table's length, ``>= 1``.
+
+    Returns:
+        ``table`` ``[size]`` (the distinct ids ascending, the unused tail repeating the
+        smallest id) and ``local`` ``[T, K]`` int64 with ``table[local] == ids``.
+    """
+    flat = ids.reshape(-1)
+    ordered, order = torch.sort(flat)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    rank = torch.cumsum(first, 0) - 1  # the table entry of each sorted id
+    table = ordered[:1].expand(size).clone()
+    table.scatter_(0, rank, ordered)  # equal ids write equal values: deterministic
+    local = torch.empty_like(rank).scatter_(0, order, rank)
+    return table, local.view(ids.shape)
 
 
 def register() -> None:

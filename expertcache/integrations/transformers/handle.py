@@ -5,7 +5,7 @@ For each expert block (found by `discovery`), its per-expert parameters are copi
 to empty placeholders, so the GPU keeps only the slots; shared experts, routers, attention
 and everything else stay where they were. The block's config then selects the
 ``"expertcache"`` experts implementation (`dispatch`). The returned `ExpertCacheHandle`
-reports statistics and ``disable()`` puts the original weights back.
+reports statistics and ``disable()`` puts the original weights back, all or nothing.
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ from expertcache.integrations.transformers.discovery import (
 from expertcache.integrations.transformers.serving import (
     ServedBlock,
     block_layout,
+    bytes_needed,
     check_pin_budget,
-    restore_block,
+    free_bytes,
+    put_back,
+    restored_weights,
     serve_blocks,
     shared_pool,
 )
@@ -40,6 +43,9 @@ from expertcache.trace.recorder import RoutingRecorder
 from expertcache.validation import resolve_device
 
 _UNSET = object()
+
+#: Where ``disable(to=...)`` puts the experts back.
+RESTORE_TARGETS = ("original", "cpu")
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class ExpertCacheHandle:
         self.recorder = recorder
         self._served = served
         self._layers = tuple(item.block.name for item in served)
-        self._configs: dict[int, tuple[object, object]] = {}
+        self._selections: dict[int, dispatch.Selection] = {}
         self._final_stats: ExpertCacheStats | None = None
         self._expert_bytes = expert_bytes
 
@@ -113,19 +119,59 @@ class ExpertCacheHandle:
         """Bytes the served expert parameters take when fully resident."""
         return self._expert_bytes
 
-    def disable(self) -> None:
-        """Put the original expert weights back (same values, dtype, shape and Parameter
-        objects, on the device the placeholders are on now) and stop serving the model."""
+    def disable(self, to: str = "original") -> None:
+        """Put the expert weights back into the model and stop serving it, all or nothing.
+
+        The same values, shape and Parameter objects come back, in each placeholder's
+        current dtype (a ``model.to(dtype)`` since enabling is honoured), and the experts
+        implementation selected now (the one in force when the cache was enabled, or what
+        ``model.set_experts_implementation`` chose since) stays selected.
+
+        Args:
+            to: ``"original"``: on the device each placeholder is on now, which is where
+                the experts were when the cache was enabled unless ``model.to()`` moved
+                the model since (then where it moved them: the model stays on one device).
+                ``"cpu"``: in host memory, whatever the model's device (for a model whose
+                experts do not fit its GPU: move or save it afterwards).
+
+        Raises:
+            ValueError: ``to`` is neither; RuntimeError: a GPU cannot hold the experts
+                (checked against its free memory before anything is allocated), or the
+                restore failed. In every case nothing changed: the cache still serves
+                the model.
+        """
+        if to not in RESTORE_TARGETS:
+            raise ValueError(f"disable(to=...) takes 'original' or 'cpu', got {to!r}")
         if not self.enabled:
             return
+        device = torch.device("cpu") if to == "cpu" else None
+        self._check_room(bytes_needed(self._served, device))
         final = self.stats
-        for config, previous in self._configs.values():
-            _set_experts_implementation(config, previous)
-        for item in self._served:
+        try:
+            weights = [restored_weights(item, device) for item in self._served]
+        except torch.OutOfMemoryError as error:
+            raise RuntimeError(
+                f"disable(to={to!r}) ran out of memory putting the experts back: nothing changed, the cache "
+                f"still serves the model; free memory or call disable(to='cpu')"
+            ) from error
+        # Nothing below can fail: the model switches back in one step.
+        for item, restored in zip(self._served, weights, strict=True):
             dispatch.unbind(item.block.module)
-            restore_block(item)
+            put_back(item, restored)
+        for selection in self._selections.values():
+            dispatch.set_config_implementation(selection.config, dispatch.chosen_implementation(selection))
         self._served = []  # drops the providers: the slots and the pinned store are freed
         self._final_stats = final
+
+    def _check_room(self, needed: dict[torch.device, int]) -> None:
+        for device, size in needed.items():
+            free = free_bytes(device)
+            if free is not None and size > free:
+                raise RuntimeError(
+                    f"disable() needs {size / 2**30:.2f} GiB on {device} to put the experts back, but only "
+                    f"{free / 2**30:.2f} GiB are free there: nothing changed, the cache still serves the model. "
+                    f"Call disable(to='cpu') to put them in host memory instead"
+                )
 
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
@@ -156,7 +202,8 @@ def enable_expert_cache(
             experts per layer (with ``budget="global"``: one pool of cache_size x layers).
         policy: eviction policy name (default ``"lru"``).
         budget: ``"per-layer"`` or ``"global"`` (default: `expertcache.config.DEFAULT_BUDGET`).
-        device: where the slots live (default: where the expert weights are now).
+        device: where the slots live (default: where the expert weights are now; the
+            command line's ``--moe-expert-cache-device`` defaults to the GPU when there is one).
         pin_budget_bytes: refuse, before pinning anything, to pin more host memory in all.
         recorder: a `RoutingRecorder` that receives every MoE layer's ``topk_ids``.
         mode: ``"host"`` (default) or ``"device"`` (GPU admission, LRU, CUDA-graph capturable).
@@ -206,13 +253,12 @@ def enable_expert_cache(
     served = serve_blocks(blocks, config, target, pool)
     handle = ExpertCacheHandle(config, served, recorder, expert_bytes)
     for item in served:
-        dispatch.bind(item.block.module, _binding(item, inner[item.block.name], recorder))
-    for block in blocks:
-        block_config = getattr(block.module, "config")  # noqa: B009 - set by the decorator
-        if id(block_config) not in handle._configs:
-            previous = block_config._experts_implementation
-            handle._configs[id(block_config)] = (block_config, previous)
-            _set_experts_implementation(block_config, dispatch.IMPLEMENTATION_NAME)
+        block_config = getattr(item.block.module, "config")  # noqa: B009 - set by the decorator
+        name, function = inner[item.block.name]
+        selection = handle._selections.setdefault(id(block_config), dispatch.Selection(block_config, name))
+        dispatch.bind(item.block.module, _binding(item, function, recorder, selection, name))
+    for selection in handle._selections.values():
+        dispatch.set_config_implementation(selection.config, dispatch.IMPLEMENTATION_NAME)
     return handle
 
 
@@ -269,7 +315,7 @@ def _check_not_meta(model: nn.Module, blocks: list[ExpertBlock]) -> None:
             )
 
 
-def _previous_implementation(model: nn.Module, block: ExpertBlock) -> dispatch.ExpertsFunction:
+def _previous_implementation(model: nn.Module, block: ExpertBlock) -> tuple[str, dispatch.ExpertsFunction]:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     dispatch.register()
@@ -277,22 +323,19 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> dispatch.E
     if dispatch.IMPLEMENTATION_NAME not in interface:
         reason = "dispatches through an experts registry that the cache is not registered in"
         raise UnsupportedModelError(model_family(model), [(block.name, type(block.module).__name__, reason)])
-    previous = getattr(block.module, "config")._experts_implementation or "eager"  # noqa: B009
+    previous = str(getattr(block.module, "config")._experts_implementation or "eager")  # noqa: B009
     if previous == dispatch.IMPLEMENTATION_NAME:
         raise RuntimeError(f"{block.name} already selects the {previous!r} experts implementation")
-    original_forward = getattr(type(block.module).forward, "__wrapped__")  # noqa: B009
-    return interface.get_interface(str(previous), original_forward)
+    return previous, dispatch.resolve(block.module, previous)
 
 
-def _binding(item: ServedBlock, inner, recorder) -> dispatch.Binding:
+def _binding(
+    item: ServedBlock, inner, recorder, selection: dispatch.Selection, implementation: str
+) -> dispatch.Binding:
     block = item.block
     parameter_of = {block.cache_name(name): name for name in block.parameter_names}
-    return dispatch.Binding(item.provider, inner, parameter_of, block.layer, recorder)
-
-
-def _set_experts_implementation(config: object, name: object) -> None:
-    # The internal field, not the property: the property's setter also rewrites sub-configs.
-    if hasattr(config, "_experts_implementation_internal"):
-        config._experts_implementation_internal = name  # type: ignore[attr-defined]
-    else:
-        config._experts_implementation = name  # type: ignore[attr-defined]
+    dtypes = {name: saved.dtype for name, saved in item.saved.items()}
+    return dispatch.Binding(
+        item.provider, inner, parameter_of, block.layer, recorder,
+        selection=selection, implementation=implementation, dtypes=dtypes,
+    )  # fmt: skip

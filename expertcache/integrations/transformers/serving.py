@@ -99,11 +99,54 @@ def _take_weights(item: ServedBlock) -> None:
         parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
 
 
-def restore_block(item: ServedBlock) -> None:
-    """Write the store's bytes back into the taken Parameter objects, on the device their
-    placeholders are on now (they follow ``model.to()``), in their original shape and dtype."""
+def restored_weights(item: ServedBlock, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The block's experts rebuilt from the store, not yet put back (this is the step that can
+    fail, e.g. out of memory; nothing changes until `put_back`).
+
+    Args:
+        item: a served block.
+        device: where to build them (None: where each placeholder is now; placeholders
+            follow ``model.to()``).
+
+    Returns:
+        parameter name -> ``[E, ...]`` tensor in its original shape and its placeholder's
+        current dtype (a ``model.to(dtype)`` since enabling is honoured).
+    """
     stored = item.provider.store.tensors
+    weights = {}
     for name, saved in item.saved.items():
-        source = stored[item.block.cache_name(name)]
-        weights = torch.empty(saved.shape, dtype=saved.dtype, device=saved.parameter.device)
-        saved.parameter.data = weights.copy_(source)
+        target = saved.parameter.device if device is None else device
+        empty = torch.empty(saved.shape, dtype=saved.parameter.dtype, device=target)
+        weights[name] = empty.copy_(stored[item.block.cache_name(name)])
+    return weights
+
+
+def put_back(item: ServedBlock, weights: dict[str, torch.Tensor]) -> None:
+    """Make ``weights`` (from `restored_weights`) the data of the taken Parameter objects."""
+    for name, saved in item.saved.items():
+        saved.parameter.data = weights[name]
+
+
+def restore_block(item: ServedBlock, device: torch.device | None = None) -> None:
+    """Write the store's bytes back into the taken Parameter objects (see `restored_weights`)."""
+    put_back(item, restored_weights(item, device))
+
+
+def bytes_needed(items: list[ServedBlock], device: torch.device | None = None) -> dict[torch.device, int]:
+    """Bytes `restored_weights` allocates, per device."""
+    needed: dict[torch.device, int] = {}
+    for item in items:
+        for saved in item.saved.values():
+            target = saved.parameter.device if device is None else device
+            size = saved.shape.numel() * saved.parameter.element_size()
+            needed[target] = needed.get(target, 0) + size
+    return needed
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can take on ``device`` (CUDA: free memory plus what torch's
+    caching allocator holds unused); None where it is not measured (the CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
