@@ -67,18 +67,22 @@ class ExpertLayout:
         """Largest word (4, 2 or 1 bytes) that divides every tensor's per-expert bytes."""
         return math.gcd(4, *(spec.nbytes for spec in self.specs))
 
-    def region_offsets(self, count: int) -> tuple[int, ...]:
-        """Byte offset of each spec's region in a buffer of ``count`` experts."""
+    def region_offsets(self, count: int, sizes: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """Byte offset of each spec's region in a buffer of ``count`` experts.
+
+        ``sizes``: bytes one expert of each spec takes in the buffer (default: ``spec.nbytes``;
+        a compressed store's records differ, `expertcache.compression`).
+        """
         offsets, cursor = [], 0
-        for spec in self.specs:
+        for nbytes in sizes or tuple(spec.nbytes for spec in self.specs):
             offsets.append(cursor)
-            cursor = _align(cursor + count * spec.nbytes)
+            cursor = _align(cursor + count * nbytes)
         return tuple(offsets)
 
-    def buffer_bytes(self, count: int) -> int:
+    def buffer_bytes(self, count: int, sizes: tuple[int, ...] | None = None) -> int:
         """Bytes of a buffer holding ``count`` experts (regions and their alignment padding)."""
-        last = self.specs[-1]
-        return max(_align(self.region_offsets(count)[-1] + count * last.nbytes), ALIGNMENT)
+        last = sizes[-1] if sizes else self.specs[-1].nbytes
+        return max(_align(self.region_offsets(count, sizes)[-1] + count * last), ALIGNMENT)
 
     def views(self, buffer: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
         """Typed contiguous views ``{name: [count, *shape]}`` into ``buffer`` (uint8, 1-D).

@@ -8,7 +8,12 @@ each shared pool counted once::
 
     {"tensors": [{"name", "shape", "dtype", "bytes"}], "layers", "experts", "expert_bytes",
      "num_slots", "pool_gpu_bytes", "host_bytes", "pinned_host_bytes",
-     "full_residency_gpu_bytes", "gpu_bytes_freed", "device"}
+     "full_residency_gpu_bytes", "gpu_bytes_freed", "device",
+     "compression", "compressed_expert_bytes"}
+
+With a compressed store (``compression="exponent"``) ``host_bytes`` is the coded buffer's
+size and ``compressed_expert_bytes`` what one miss reads over PCIe; ``expert_bytes`` stays
+what lands in a slot. Both fields are optional when read (older manifests: raw).
 
 ``expertcache plan --manifest FILE`` reads ``expert_bytes`` (the bytes one miss copies and
 one slot holds) from it.
@@ -54,6 +59,10 @@ class Manifest:
         full_residency_gpu_bytes: bytes the same experts take fully resident (unpadded).
         gpu_bytes_freed: ``full_residency_gpu_bytes - pool_gpu_bytes`` (negative if larger).
         device: the pools' device.
+        compression: the stores' compression (None: raw bytes).
+        compressed_expert_bytes: bytes one expert takes in the store, summed over its
+            tensors (what one miss reads from the host); ``expert_bytes`` when raw, the
+            mean over the layers when their records differ.
     """
 
     tensors: tuple[TensorEntry, ...]
@@ -67,6 +76,8 @@ class Manifest:
     full_residency_gpu_bytes: int
     gpu_bytes_freed: int
     device: str
+    compression: str | None = None
+    compressed_expert_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (with ``manifest_version``)."""
@@ -131,6 +142,8 @@ def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:
     pool_bytes = sum(t.untyped_storage().nbytes() for pool in pools for t in pool.tensors.values())
     host = [store.buffer.untyped_storage().nbytes() for store in stores]
     full = sum(store.num_experts for store in stores) * layout.expert_bytes
+    compressions = sorted({str(store.compression) for store in stores if store.compression})
+    stored = sum(store.num_experts * store.stored_expert_bytes for store in stores)
     return Manifest(
         tensors=tuple(
             TensorEntry(spec.name, spec.shape, str(spec.dtype).removeprefix("torch."), spec.nbytes)
@@ -146,4 +159,6 @@ def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:
         full_residency_gpu_bytes=full,
         gpu_bytes_freed=full - pool_bytes,
         device=str(providers[0].device),
+        compression=",".join(compressions) or None,
+        compressed_expert_bytes=-(-stored // sum(store.num_experts for store in stores)),
     )

@@ -11,18 +11,26 @@ Two ways to execute a plan, with the same result in the slot tensors:
   to eight tensors reads mapped pinned memory and writes every tensor of every planned
   expert. The only way inside a CUDA graph.
 
+Names a compressed store holds as records (`expertcache.compression`) are decoded on the
+way: a `DecodeGroup` launches the decoding copy kernel (`expertcache.kernels.decode_copy`)
+from the same device plan, in both ways (the engine cannot decode; host mode uploads its
+plan first, so the kernel runs there too; without a GPU or the interpreter the kernel's
+torch reference runs).
+
 `restore_slots` undoes a plan's copies: a slot that held a victim gets the victim's
 bytes back from its store, a slot that was free gets the poison again.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from expertcache.call_plan import Load
+from expertcache.kernels._launch import runs_on
 from expertcache.kernels.copy_experts import (
     DEFAULT_BLOCK,
     MAX_TENSORS,
@@ -30,6 +38,15 @@ from expertcache.kernels.copy_experts import (
     Segments,
     build_segments,
     copy_experts,
+)
+from expertcache.kernels.decode_copy import MAX_TENSORS as MAX_DECODED
+from expertcache.kernels.decode_copy import (
+    DecodeSegments,
+    build_decode_segments,
+    decode_copy,
+    decode_copy_torch,
+    default_programs,
+    scratch_bytes,
 )
 from expertcache.store import CPUBackingStore
 
@@ -52,9 +69,17 @@ def copy_with_engine(
     slots: Mapping[str, torch.Tensor], store: CPUBackingStore, loads: Sequence[Load], key_offset: int, hook: CopyExpert
 ) -> None:
     """Copy every load's expert (key ``key_offset + expert`` of ``store``) into its slot."""
+    raw = [name for name in slots if name not in store.records]
     for load in loads:
         expert = int(load.key) - key_offset  # type: ignore[call-overload]
-        hook([(slots[name][load.slot], store.tensors[name][expert]) for name in slots])
+        hook([(slots[name][load.slot], store.tensors[name][expert]) for name in raw])
+    if store.records and loads:
+        entries = [[int(load.key) - key_offset, load.slot, 0, 0] for load in loads]  # type: ignore[call-overload]
+        flat = torch.tensor([len(entries), *(v for entry in entries for v in entry)], dtype=torch.int32)
+        device = next(iter(slots.values())).device
+        plan = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat
+        groups = [group for group in copy_groups(store, device) if isinstance(group, DecodeGroup)]
+        copy_with_kernel(slots, store, plan, groups)
 
 
 @dataclass(frozen=True)
@@ -63,32 +88,75 @@ class CopyGroup:
 
     names: tuple[str, ...]
     segments: Segments
+    unit: int = 0  # bytes of a copy word (4, 2 or 1); 0: the layout's
 
 
-def copy_groups(store: CPUBackingStore) -> tuple[CopyGroup, ...]:
-    """The launches that copy one expert of ``store``'s layout into the slot tensors."""
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Up to four of a layer's coded names (one code), decoded by one kernel launch.
+
+    ``scratch``: the launch's staging buffer on the slots' device, allocated once (the
+    launch allocates nothing, inside CUDA graphs too).
+    """
+
+    names: tuple[str, ...]
+    segments: DecodeSegments
+    scratch: torch.Tensor
+    num_programs: int
+
+
+def copy_groups(store: CPUBackingStore, device: torch.device | None = None) -> tuple[CopyGroup | DecodeGroup, ...]:
+    """The launches that move one expert of ``store`` into slot tensors on ``device``
+    (default CPU): copies of the raw names, decodes of the coded ones."""
     layout = store.layout
-    offsets = dict(zip((spec.name for spec in layout.specs), layout.region_offsets(store.num_experts), strict=True))
-    groups = []
-    for start in range(0, len(layout.specs), MAX_TENSORS):
-        specs = layout.specs[start : start + MAX_TENSORS]
+    offsets = dict(zip((spec.name for spec in layout.specs), store.region_offsets, strict=True))
+    raw = [spec for spec in layout.specs if spec.name not in store.formats]
+    unit = math.gcd(4, *(spec.nbytes for spec in raw))
+    groups: list[CopyGroup | DecodeGroup] = []
+    for start in range(0, len(raw), MAX_TENSORS):
+        specs = raw[start : start + MAX_TENSORS]
         segments = build_segments(
-            tuple(offsets[spec.name] for spec in specs), tuple(spec.nbytes for spec in specs),
-            layout.copy_unit, DEFAULT_BLOCK,
-        )  # fmt: skip
-        groups.append(CopyGroup(tuple(spec.name for spec in specs), segments))
+            tuple(offsets[spec.name] for spec in specs), tuple(spec.nbytes for spec in specs), unit, DEFAULT_BLOCK
+        )
+        groups.append(CopyGroup(tuple(spec.name for spec in specs), segments, unit))
+    by_code: dict[object, list[str]] = {}
+    for name, fmt in store.formats.items():
+        by_code.setdefault(fmt.code, []).append(name)
+    target = torch.device("cpu") if device is None else device
+    for names in by_code.values():
+        for start in range(0, len(names), MAX_DECODED):
+            chunk = tuple(names[start : start + MAX_DECODED])
+            segments = build_decode_segments(
+                tuple(offsets[name] for name in chunk), tuple(store.formats[name] for name in chunk)
+            )
+            programs = default_programs(target)
+            with torch.inference_mode(False):
+                scratch = torch.empty(scratch_bytes(segments, programs), dtype=torch.uint8, device=target)
+            groups.append(DecodeGroup(chunk, segments, scratch, programs))
     return tuple(groups)
 
 
 def copy_with_kernel(
-    slots: Mapping[str, torch.Tensor], store: CPUBackingStore, plan: torch.Tensor, groups: Sequence[CopyGroup]
+    slots: Mapping[str, torch.Tensor],
+    store: CPUBackingStore,
+    plan: torch.Tensor,
+    groups: Sequence[CopyGroup | DecodeGroup],
 ) -> None:
     """Execute ``plan`` (on the device) from ``store`` into the slot tensors: one launch per group."""
     for group in groups:
-        copy_experts(
-            store.buffer, [slots[name] for name in group.names], CopyPlan.of(plan), group.segments,
-            unit=store.layout.copy_unit, num_experts=store.num_experts,
-        )  # fmt: skip
+        targets = [slots[name] for name in group.names]
+        if isinstance(group, CopyGroup):
+            copy_experts(
+                store.buffer, targets, CopyPlan.of(plan), group.segments,
+                unit=group.unit or store.layout.copy_unit, num_experts=store.num_experts,
+            )  # fmt: skip
+        elif runs_on(targets[0]):
+            decode_copy(
+                store.buffer, targets, CopyPlan.of(plan), group.segments, num_experts=store.num_experts,
+                scratch=group.scratch, num_programs=group.num_programs,
+            )  # fmt: skip
+        else:  # a CPU without the interpreter (host mode): the reference decodes
+            decode_copy_torch(store.buffer, targets, CopyPlan.of(plan), group.segments, num_experts=store.num_experts)
 
 
 def restore_slots(
@@ -109,4 +177,4 @@ def restore_slots(
                 tensor[load.slot : load.slot + 1].view(torch.uint8).fill_(POISON)
             continue
         store, expert = owner_of(load.evicted)
-        copy_pairs([(slots[name][load.slot], store.tensors[name][expert]) for name in slots])
+        copy_pairs([(slots[name][load.slot], store.expert(name, expert)) for name in slots])

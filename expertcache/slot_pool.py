@@ -33,7 +33,7 @@ from expertcache import device_prepare, host_prepare
 from expertcache.call_guards import SingleCaller
 from expertcache.kernels.slot_tables import COUNTERS, SlotTables
 from expertcache.layout import ExpertLayout, layout_from_weights
-from expertcache.mover import MOVERS, POISON, CopyExpert, CopyGroup, copy_groups, copy_pairs
+from expertcache.mover import MOVERS, POISON, CopyExpert, CopyGroup, DecodeGroup, copy_groups, copy_pairs
 from expertcache.policies import EvictionPolicy, claim_policy, make_policy
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
@@ -53,7 +53,7 @@ class PoolLayer:
     num_global: int
     global_to_local: torch.Tensor | None  # [E_global] int32 on the pool's device; None = identity
     global_to_local_host: np.ndarray  # [E_global] int64
-    copy_groups: tuple[CopyGroup, ...]  # how the copy kernel moves one of its experts
+    copy_groups: tuple[CopyGroup | DecodeGroup, ...]  # how the copy (and decode) kernels move one expert
 
     @property
     def num_experts(self) -> int:
@@ -155,7 +155,7 @@ class SlotPool:
         layer = PoolLayer(
             name, len(self.layers), key_offset, store, int(host_map.size),
             None if identity else global_to_local.to(self.device, torch.int32), host_map,
-            copy_groups(store),
+            copy_groups(store, self.device),
         )  # fmt: skip
         self.tables = SlotTables.allocate(
             key_offset + store.num_experts, self.num_slots, len(self.layers) + 1, self.device
@@ -235,7 +235,8 @@ class SlotPool:
     def stats(self, layer: PoolLayer) -> CacheStats:
         """Exact counters of ``layer``."""
         row = dict(zip(COUNTERS, self.tables.counters[layer.index].tolist(), strict=True))
-        return CacheStats(**row, bytes_h2d=row["misses"] * self.layout.expert_bytes)
+        raw, stored = self.layout.expert_bytes, layer.store.stored_expert_bytes
+        return CacheStats(**row, bytes_h2d=row["misses"] * raw, compressed_bytes_h2d=row["misses"] * stored)
 
     def expert_to_slot(self, layer: PoolLayer) -> np.ndarray:
         """``[E_local]`` int32 copy: the slot of each of ``layer``'s experts, or -1."""

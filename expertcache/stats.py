@@ -13,13 +13,16 @@ class CacheStats:
         hits: distinct local experts of a call that were already resident, summed over calls.
         misses: distinct local experts of a call that had to be copied in, summed over calls.
         evictions: resident experts dropped to make room, summed over calls.
-        bytes_h2d: bytes copied from the host store into slots.
+        bytes_h2d: bytes copied from the host store into slots (as they land: raw bytes).
         calls: ``prepare`` calls that completed.
         invalid_ids: ids outside ``[0, E)`` that device mode mapped to -1 instead of raising
             (it cannot raise without a host sync); always 0 in host mode, which raises.
         overflows: device-mode calls refused on the device because they needed more
             distinct experts than slots (nothing changed, their ids came out -1); the
             paths that read ids on the host raise `CacheCapacityError` instead.
+        compressed_bytes_h2d: bytes the same copies read from the host store, as stored:
+            smaller than ``bytes_h2d`` when the store is compressed
+            (``compression="exponent"``), equal to it otherwise.
     """
 
     hits: int = 0
@@ -29,6 +32,7 @@ class CacheStats:
     calls: int = 0
     invalid_ids: int = 0
     overflows: int = 0
+    compressed_bytes_h2d: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -45,4 +49,5 @@ class CacheStats:
             self.calls + other.calls,
             self.invalid_ids + other.invalid_ids,
             self.overflows + other.overflows,
+            self.compressed_bytes_h2d + other.compressed_bytes_h2d,
         )

@@ -8,6 +8,11 @@ before anything is allocated. The registration is *mapped*, so GPU kernels may r
 experts through their device address (the copy kernel does). Without CUDA the store is
 plain memory and every code path still runs.
 
+With ``compression="exponent"`` every bf16/fp16 name whose code pays is stored as
+`expertcache.compression` records (``[E, record_bytes]`` in its region) instead of raw
+bytes: the copy kernel's sibling (`expertcache.kernels.decode_copy`) decodes them into the
+slots, so PCIe carries the coded bytes. The other names stay raw.
+
 Lifetime: the buffer is unregistered and freed only after every CUDA device has finished
 the work queued so far, so a copy still reading the store never reads freed memory.
 """
@@ -15,12 +20,17 @@ the work queued so far, so a copy still reading the store never reads freed memo
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
+from expertcache.compression import COMPRESSIONS, FLOAT16_FIELDS, ExponentCode, RecordFormat, analyse, write_records
+from expertcache.compression import decode_records_torch as decode_records
 from expertcache.errors import PinBudgetError
 from expertcache.layout import ExpertLayout
+
+#: Tensors of more bytes than this show a progress bar while they are encoded.
+_PROGRESS_BYTES = 1 << 30
 
 _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_MAPPED = 2
@@ -64,10 +74,17 @@ class CPUBackingStore:
         pin: register the buffer as pinned (page-locked, mapped) memory; needs CUDA.
         pin_budget_bytes: refuse, before allocating anything, when the buffer would exceed
             it (checked on CPU-only machines too, where the store is plain memory).
+        compression: ``None`` (raw bytes) or ``"exponent"`` (lossless exponent coding of the
+            bf16/fp16 names; ``w1`` and ``w2`` must be bf16 or fp16).
 
     Attributes:
         buffer: ``[buffer_bytes]`` uint8, the one allocation (pinned when ``pinned``).
-        tensors: ``{name: [E, *shape]}`` contiguous typed views into ``buffer``.
+        tensors: ``{name: [E, *shape]}``: contiguous typed views into ``buffer`` for raw
+            names; for coded names a decoded copy, made on each access (slow: for restoring
+            a model, not for serving).
+        formats: ``{name: RecordFormat}`` of the coded names (empty without compression).
+        records: ``{name: [E, record_bytes] uint8}`` views of the coded names' records.
+        region_offsets: byte offset of each spec's region in ``buffer``.
     """
 
     def __init__(
@@ -77,9 +94,14 @@ class CPUBackingStore:
         *,
         pin: bool,
         pin_budget_bytes: int | None = None,
+        compression: str | None = None,
     ) -> None:
+        check_compression(compression, layout)
         num_experts = int(weights["w1"].shape[0])
-        nbytes = layout.buffer_bytes(num_experts)
+        analyses = _analyse(layout, weights) if compression else {}
+        self.formats: dict[str, RecordFormat] = {name: analysis.format for name, analysis in analyses.items()}
+        sizes = tuple(self.formats[s.name].record_bytes if s.name in self.formats else s.nbytes for s in layout.specs)
+        nbytes = layout.buffer_bytes(num_experts, sizes)
         budget_type = type(pin_budget_bytes)
         if pin_budget_bytes is not None and (budget_type is bool or not isinstance(pin_budget_bytes, int)):
             raise TypeError(f"pin_budget_bytes must be an int (bytes) or None, got {budget_type.__name__}")
@@ -89,13 +111,24 @@ class CPUBackingStore:
             raise ValueError("pin=True needs CUDA; on a CPU-only machine the store is plain memory")
         self.layout = layout
         self.num_experts = num_experts
+        self.compression = compression
+        self.region_offsets = layout.region_offsets(num_experts, sizes)
         # outside inference mode (usable inside and outside it) and outside autograd (the
         # caller's tensors, parameters included, are copied, never referenced)
         with torch.inference_mode(False), torch.no_grad():
             self.buffer = torch.zeros(nbytes, dtype=torch.uint8)  # padding bytes deterministic
-            self.tensors = layout.views(self.buffer, num_experts)
-            for name, view in self.tensors.items():
-                view.copy_(weights[name].detach())
+            self.records: dict[str, torch.Tensor] = {}
+            raw: dict[str, torch.Tensor] = {}
+            for spec, offset, size in zip(layout.specs, self.region_offsets, sizes, strict=True):
+                region = self.buffer[offset : offset + num_experts * size]
+                if spec.name in analyses:
+                    self.records[spec.name] = region.view(num_experts, size)
+                    label = f"encoding {spec.name}" if num_experts * spec.nbytes > _PROGRESS_BYTES else None
+                    write_records(weights[spec.name], analyses[spec.name], self.records[spec.name], progress=label)
+                else:
+                    raw[spec.name] = region.view(spec.dtype).view(num_experts, *spec.shape)
+                    raw[spec.name].copy_(weights[spec.name].detach())
+            self.tensors: Mapping[str, torch.Tensor] = _StoredTensors(self, raw) if self.records else raw
         self.pinned = False
         if pin:
             _flush_released()
@@ -107,3 +140,63 @@ class CPUBackingStore:
     def nbytes(self) -> int:
         """Bytes held (and pinned, when pinned): the regions and their alignment padding."""
         return self.buffer.nbytes
+
+    @property
+    def stored_expert_bytes(self) -> int:
+        """Bytes of one expert as stored (records for coded names): what one miss reads from
+        the host; ``layout.expert_bytes`` without compression."""
+        return sum(self.formats[s.name].record_bytes if s.name in self.formats else s.nbytes for s in self.layout.specs)
+
+    def expert(self, name: str, index: int) -> torch.Tensor:
+        """Expert ``index``'s tensor ``name`` ``[*shape]``: a view (raw) or a decoded copy (coded)."""
+        if name not in self.records:
+            return self.tensors[name][index]
+        spec = next(s for s in self.layout.specs if s.name == name)
+        return decode_records(self.records[name][index : index + 1], self.formats[name]).view(spec.shape)
+
+
+class _StoredTensors(Mapping):
+    """``{name: [E, *shape]}`` of a compressed store: raw views, coded names decoded on access."""
+
+    def __init__(self, store: CPUBackingStore, raw: dict[str, torch.Tensor]) -> None:
+        self._store, self._raw = store, raw
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._raw:
+            return self._raw[name]
+        spec = next(s for s in self._store.layout.specs if s.name == name)  # KeyError below if absent
+        records = self._store.records[name]
+        return decode_records(records, self._store.formats[name]).view(records.shape[0], *spec.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return (spec.name for spec in self._store.layout.specs)
+
+    def __len__(self) -> int:
+        return len(self._store.layout.specs)
+
+
+def check_compression(compression: object, layout: ExpertLayout) -> None:
+    """Raise ValueError unless ``compression`` is None or a name that applies to ``layout``."""
+    if compression is None:
+        return
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
+    dtypes = {spec.name: spec.dtype for spec in layout.specs}
+    wrong = {name: str(dtypes[name]) for name in ("w1", "w2") if dtypes[name] not in FLOAT16_FIELDS}
+    if wrong:
+        raise ValueError(
+            f"compression={compression!r} codes bfloat16 or float16 experts losslessly; "
+            f"the expert matrices are {wrong}: store them raw (compression=None)"
+        )
+
+
+def _analyse(layout: ExpertLayout, weights: Mapping[str, torch.Tensor]) -> dict:
+    """The first coding pass of every bf16/fp16 name whose records are smaller than its bytes."""
+    out = {}
+    for spec in layout.specs:
+        if spec.dtype in FLOAT16_FIELDS:
+            label = f"analysing {spec.name}" if weights[spec.name].nbytes > _PROGRESS_BYTES else None
+            analysis = analyse(weights[spec.name], ExponentCode(spec.dtype), progress=label)
+            if analysis.format.pays():
+                out[spec.name] = analysis
+    return out

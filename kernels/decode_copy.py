@@ -1,0 +1,241 @@
+"""Decoding copy kernel: planned experts' exponent-coded records host -> bf16/fp16 slots.
+
+The sibling of `expertcache.kernels.copy_experts` for names stored with
+`expertcache.compression` (one launch for up to ``MAX_TENSORS`` coded names of one code):
+the same device plan (`CopyPlan`), the same persistent grid dealing (copy, block) work
+round-robin, the same skip of copies naming a row or slot out of range, so it replays in a
+CUDA graph. PCIe carries only the coded bytes; the slots receive the exact 16-bit words.
+
+Each work item is one block of one name of one planned expert, in two steps:
+
+1. *stage*: the block's bytes (codebook, literals, codes, exceptions: one contiguous
+   range, at an offset known from scalars alone) are read from mapped pinned memory in
+   16-byte words, exactly as the copy kernel reads, into this program's scratch in device
+   memory. One PCIe round trip per block, no dependent host read.
+2. *decode*: after a barrier, each value's literal, code field and exponent (from the
+   codebook, or for an escape from the exceptions at its rank, a prefix sum over the block)
+   are gathered from the scratch (L1/L2), and the word is stored to the slot. A second
+   barrier keeps the next block's stage from overwriting a scratch still being read.
+
+Decoding is integer work on cached bytes, so the kernel can keep pace with PCIe (the
+bound a decoding copy must beat: ~55 GB/s of coded bytes on the project's H200).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from expertcache.compression import HEADER_BYTES, RecordFormat, decode_records_torch
+from expertcache.kernels._launch import runs_on
+from expertcache.kernels.copy_experts import CopyPlan, MappedHostPointer, warps_for
+
+#: Coded slot tensors one launch writes (kernel arguments ``slots0 .. slots3``).
+MAX_TENSORS = 4
+DEFAULT_PROGRAMS = 64
+
+
+@triton.jit
+def _decode_copy_kernel(
+    source_ptr, scratch_ptr, slots0, slots1, slots2, slots3,
+    count_ptr, experts_ptr, slot_ids_ptr, stride,
+    offset0, offset1, offset2, offset3, record0, record1, record2, record3,
+    values0, values1, values2, values3, capacity0, capacity1, capacity2, capacity3,
+    first1, first2, first3,
+    num_experts, num_slots, chunks_per_expert,
+    BLOCK: tl.constexpr, STAGE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    CODE_BITS: tl.constexpr, FIELD_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, HEADER: tl.constexpr,
+):  # fmt: skip
+    ESCAPE: tl.constexpr = (1 << CODE_BITS) - 1
+    # bytes of a whole block before its exceptions: codebook, literals, codes (16-aligned)
+    WHOLE: tl.constexpr = HEADER + BLOCK + (BLOCK * FIELD_BITS // 8 + 15) // 16 * 16
+    scratch = scratch_ptr + tl.program_id(0) * (STAGE * 4)  # this program's bytes
+    scratch_words = scratch.to(tl.pointer_type(tl.int32))
+    count = tl.minimum(tl.load(count_ptr).to(tl.int32), num_slots)
+    for work in range(tl.program_id(0), count * chunks_per_expert, NUM_PROGRAMS):
+        rank = work // chunks_per_expert
+        chunk = work % chunks_per_expert
+        expert = tl.load(experts_ptr + stride * rank).to(tl.int64)
+        slot = tl.load(slot_ids_ptr + stride * rank).to(tl.int64)
+        zero = (chunk * 0).to(tl.int64)  # int64 throughout: every branch must agree
+        offset, record, values, capacity, first, destination = (
+            zero + offset0, zero + record0, zero + values0, zero + capacity0, zero, slots0
+        )  # fmt: skip
+        if NUM_SEGMENTS > 1:
+            if chunk >= first1:
+                offset, record, values, capacity, first, destination = (
+                    zero + offset1, zero + record1, zero + values1, zero + capacity1, zero + first1, slots1
+                )  # fmt: skip
+        if NUM_SEGMENTS > 2:
+            if chunk >= first2:
+                offset, record, values, capacity, first, destination = (
+                    zero + offset2, zero + record2, zero + values2, zero + capacity2, zero + first2, slots2
+                )  # fmt: skip
+        if NUM_SEGMENTS > 3:
+            if chunk >= first3:
+                offset, record, values, capacity, first, destination = (
+                    zero + offset3, zero + record3, zero + values3, zero + capacity3, zero + first3, slots3
+                )  # fmt: skip
+        if (expert >= 0) & (expert < num_experts) & (slot >= 0) & (slot < num_slots):
+            block = chunk - first
+            start = block * BLOCK
+            size = tl.minimum(values - start, BLOCK)  # values in this block (the last is shorter)
+            literal_bytes = (size + 15) // 16 * 16
+            code_bytes = ((size * FIELD_BITS + 7) // 8 + 15) // 16 * 16
+            exceptions_at = HEADER + literal_bytes + code_bytes
+            # 1. stage the block: offsets and sizes are multiples of 16 bytes, so words go 4 at
+            # a time (the mask is constant over each 4 words: 16-byte loads)
+            base = (offset + expert * record + block * (WHOLE + capacity)) // 4
+            lanes = tl.arange(0, STAGE)
+            source = tl.max_contiguous(tl.multiple_of(base + lanes, 4), STAGE)
+            staged = (lanes // 4) < (exceptions_at + capacity) // 16
+            tl.store(scratch_words + lanes, tl.load(source_ptr + source, mask=staged), mask=staged)
+            tl.debug_barrier()  # the block is in the scratch for every thread of the program
+            # 2. decode every value of the block from the scratch
+            index = tl.arange(0, BLOCK)
+            valid = index < size
+            low = tl.load(scratch + HEADER + index, mask=valid, other=0).to(tl.int32)
+            bit = index * FIELD_BITS
+            at = HEADER + literal_bytes + (bit >> 3)
+            first_byte = tl.load(scratch + at, mask=valid, other=0).to(tl.int32)
+            straddles = valid & ((bit & 7) + FIELD_BITS > 8)
+            second_byte = tl.load(scratch + at + 1, mask=straddles, other=0).to(tl.int32)
+            field = ((first_byte | (second_byte << 8)) >> (bit & 7)) & ((1 << FIELD_BITS) - 1)
+            code = field & ESCAPE
+            escaped = ((code == ESCAPE) & valid).to(tl.int32)
+            position = tl.cumsum(escaped, 0) - escaped  # escapes before this value: its exception
+            exponent_at = tl.where(escaped != 0, exceptions_at + position, code)
+            exponent = tl.load(scratch + exponent_at, mask=valid, other=0).to(tl.int32)
+            literal = low | ((field >> CODE_BITS) << 8)
+            word = ((literal >> MANTISSA_BITS) << 15) | (exponent << MANTISSA_BITS)
+            word = word | (literal & ((1 << MANTISSA_BITS) - 1))
+            tl.store(destination + slot * values + start + index, word.to(tl.int16), mask=valid)
+            tl.debug_barrier()  # every thread is done with the scratch before the next stage
+
+
+class DecodeSegments(NamedTuple):
+    """Where each of up to ``MAX_TENSORS`` coded names lives in the source, in bytes.
+
+    Attributes:
+        offsets: first byte of each name's region (a multiple of 16).
+        formats: each name's `RecordFormat` (one code for all).
+        first_chunks: first chunk (block) of each name among an expert's chunks.
+        chunks_per_expert: blocks of one expert over all names.
+        stage_words: 32-bit words of scratch one program needs (a power of two).
+    """
+
+    offsets: tuple[int, ...]
+    formats: tuple[RecordFormat, ...]
+    first_chunks: tuple[int, ...]
+    chunks_per_expert: int
+    stage_words: int
+
+
+def build_decode_segments(source_offsets: tuple[int, ...], formats: tuple[RecordFormat, ...]) -> DecodeSegments:
+    """The `DecodeSegments` of coded names whose regions start at ``source_offsets`` (bytes)."""
+    if not 1 <= len(formats) <= MAX_TENSORS:
+        raise ValueError(f"a launch decodes 1 to {MAX_TENSORS} tensors, got {len(formats)}")
+    if len({fmt.code for fmt in formats}) != 1:
+        raise ValueError("one launch decodes one code (dtype, code bits, block); group the names by code")
+    if any(offset % 16 for offset in source_offsets) or any(fmt.values < 1 for fmt in formats):
+        raise ValueError("regions must start on 16-byte boundaries and hold at least one value")
+    chunks = [fmt.num_blocks for fmt in formats]
+    first_chunks = tuple(sum(chunks[:index]) for index in range(len(chunks)))
+    stage = triton.next_power_of_2(max(fmt.block_bytes() for fmt in formats) // 4)
+    return DecodeSegments(tuple(source_offsets), tuple(formats), first_chunks, sum(chunks), stage)
+
+
+def scratch_bytes(segments: DecodeSegments, num_programs: int) -> int:
+    """Bytes of the scratch a launch of ``num_programs`` programs needs."""
+    return num_programs * segments.stage_words * 4
+
+
+def default_programs(device: torch.device) -> int:
+    """Programs of the persistent grid: ``DEFAULT_PROGRAMS`` on a GPU, 2 interpreted."""
+    return DEFAULT_PROGRAMS if device.type == "cuda" else 2
+
+
+def decode_copy_torch(
+    source: torch.Tensor, slots: list[torch.Tensor], plan: CopyPlan, segments: DecodeSegments, *, num_experts: int
+) -> None:
+    """Reference of `decode_copy`: each planned expert's records decoded (in torch) into its slot."""
+    num_slots = slots[0].shape[0]
+    count = min(int(plan.count.reshape(-1)[0]), num_slots)
+    experts = plan.experts[: plan.stride * count : plan.stride].tolist()
+    slot_ids = plan.slots[: plan.stride * count : plan.stride].tolist()
+    for expert, slot in zip(experts, slot_ids, strict=True):
+        if not (0 <= expert < num_experts and 0 <= slot < num_slots):
+            continue
+        for offset, fmt, tensor in zip(segments.offsets, segments.formats, slots, strict=True):
+            start = offset + expert * fmt.record_bytes
+            record = source[start : start + fmt.record_bytes].view(1, -1)
+            tensor.reshape(tensor.shape[0], -1)[slot] = decode_records_torch(record, fmt)[0].to(tensor.device)
+
+
+def decode_copy(
+    source: torch.Tensor,
+    slots: list[torch.Tensor],
+    plan: CopyPlan,
+    segments: DecodeSegments,
+    *,
+    num_experts: int,
+    scratch: torch.Tensor | None = None,
+    num_programs: int | None = None,
+) -> None:
+    """Decode the planned experts' records into their slots without reading the plan on the host.
+
+    Args:
+        source: ``[bytes]`` uint8 store buffer: pinned host memory (GPU slots) or any CPU
+            tensor (interpreted).
+        slots: the ``[S, *shape]`` contiguous bf16/fp16 slot tensors on the device, one per
+            name of ``segments`` (their dtype the code's).
+        plan: the copies, on the slots' device (`CopyPlan`).
+        segments: from `build_decode_segments`.
+        num_experts: rows of the store (copies naming others are skipped).
+        scratch: uint8 device buffer of at least `scratch_bytes` (keep one to make the
+            launch allocation-free, e.g. inside a CUDA graph); allocated when None.
+        num_programs: programs of the persistent grid (fixed: graph-safe); default
+            `default_programs`.
+    """
+    if source.dtype != torch.uint8 or source.dim() != 1:
+        raise ValueError("source must be a flat uint8 buffer")
+    if len(slots) != len(segments.formats):
+        raise ValueError(f"give one slot tensor per segment ({len(segments.formats)}), got {len(slots)}")
+    code = segments.formats[0].code
+    for tensor, fmt in zip(slots, segments.formats, strict=True):
+        if not tensor.is_contiguous() or tensor.device != slots[0].device or tensor.dtype != code.dtype:
+            raise ValueError(f"slot tensors must be contiguous {code.dtype} tensors on one device")
+        if tensor[0].numel() != fmt.values:
+            raise ValueError(f"a slot of {tensor[0].numel()} values cannot take records of {fmt.values}")
+    num_programs = num_programs or default_programs(slots[0].device)
+    needed = scratch_bytes(segments, num_programs)
+    if scratch is not None and (
+        scratch.dtype != torch.uint8 or scratch.numel() < needed or scratch.device != slots[0].device
+    ):
+        raise ValueError(f"scratch must be a uint8 buffer of >= {needed} bytes on the slots' device")
+    if not runs_on(slots[0]):
+        raise RuntimeError("the decode kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
+    if scratch is None:
+        scratch = torch.empty(needed, dtype=torch.uint8, device=slots[0].device)
+    if slots[0].is_cuda and not source.is_cuda:
+        if not source.is_pinned():
+            raise ValueError("the source buffer must be pinned to be read by the GPU")
+        source_arg: object = MappedHostPointer(source, torch.int32)
+    else:
+        source_arg = source.view(torch.int32)
+    pad = MAX_TENSORS - len(slots)
+    formats = segments.formats
+    destinations = [t.view(torch.int16) for t in slots] + [slots[0].view(torch.int16)] * pad
+    _decode_copy_kernel[(num_programs,)](
+        source_arg, scratch, *destinations, plan.count, plan.experts, plan.slots, plan.stride,
+        *segments.offsets, *(0,) * pad, *(f.record_bytes for f in formats), *(0,) * pad,
+        *(f.values for f in formats), *(0,) * pad, *(f.capacity for f in formats), *(0,) * pad,
+        *segments.first_chunks[1:], *(0,) * pad,
+        num_experts, slots[0].shape[0], segments.chunks_per_expert,
+        BLOCK=code.block, STAGE=segments.stage_words, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=len(slots),
+        CODE_BITS=code.code_bits, FIELD_BITS=code.field_bits, MANTISSA_BITS=code.mantissa_bits, HEADER=HEADER_BYTES,
+        num_warps=warps_for(code.block),
+    )  # fmt: skip
