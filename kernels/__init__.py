@@ -10,6 +10,10 @@ validates its inputs and picks the grid, and a pure-torch reference named ``*_to
     expert_apply.py  moe_apply / moe_apply_torch       slot-indexed SiLU-gated expert MLP (GEMV, decode)
     grouped_apply.py moe_apply_grouped, moe_apply_auto the same MLP as grouped GEMMs (many tokens)
     grouped_routing.py sort_pairs_by_expert / _torch   (token, choice) pairs grouped by id into padded blocks
+    quant_apply.py   moe_apply_quant / _torch           fp8 / MXFP4 expert MLP dequantised in registers (GEMV)
+    quant_grouped.py moe_apply_quant_grouped           the same as grouped GEMMs on tensor cores
+    quant_passes.py  moe_apply_quant_passes            either, summed over expert-group passes
+    quant_common.py  in-register fp8 / e2m1 / e8m0 decoding, activations, input checks
     slot_tables.py   SlotTables: the state the cache kernels read and write
 
 No kernel uses ``@triton.autotune`` (it needs a GPU driver): block sizes are chosen by the
@@ -19,12 +23,19 @@ launcher, so the kernels also run under ``TRITON_INTERPRET=1`` on a CPU.
 from expertcache.kernels.apply_passes import moe_apply_passes
 from expertcache.kernels.expert_apply import moe_apply, moe_apply_torch
 from expertcache.kernels.grouped_apply import moe_apply_grouped
+from expertcache.kernels.quant_apply import moe_apply_quant, moe_apply_quant_torch
+from expertcache.kernels.quant_grouped import moe_apply_quant_grouped
+from expertcache.kernels.quant_passes import moe_apply_quant_passes
 from expertcache.kernels.remap import remap_topk_ids, remap_topk_ids_torch
 
 __all__ = [
     "moe_apply",
     "moe_apply_grouped",
     "moe_apply_passes",
+    "moe_apply_quant",
+    "moe_apply_quant_grouped",
+    "moe_apply_quant_passes",
+    "moe_apply_quant_torch",
     "moe_apply_torch",
     "remap_topk_ids",
     "remap_topk_ids_torch",

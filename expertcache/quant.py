@@ -1,0 +1,232 @@
+"""Quantised expert schemes: the tensors one expert registers, and the MLP they compute.
+
+A `QuantScheme` names a storage format and the expert MLP around it; the cache stores the
+packed tensors as opaque per-expert bytes (`expertcache.layout`) and the apply kernels
+(`expertcache.kernels.quant_apply`, ``quant_grouped``) dequantise in registers. Registered
+names, with ``G(K) = ceil(K/32)``::
+
+    scheme           w1 (per expert)     w2 (per expert)     w1_scale, w2_scale                          extra
+    FP8_BLOCK_128    [2I, H] e4m3        [H, I] e4m3         [ceil(2I/128), ceil(H/128)] fp32,           -
+                                                             [ceil(H/128), ceil(I/128)] fp32
+    FP8_PER_TENSOR   [2I, H] e4m3        [H, I] e4m3         [] fp32, [] fp32 (one per expert)           -
+    GPT_OSS_MXFP4    [2I, G(H), 16] u8   [H, G(I), 16] u8    [2I, G(H)] e8m0 u8, [H, G(I)] e8m0 u8      w1_bias [2I],
+                                                                                                       w2_bias [H] fp32
+
+(shapes per expert; `expertcache.quant_fp8`, `expertcache.quant_mxfp4` define the formats).
+The MLP of every (token t, choice k) with expert e, dequantised weights ``W1``, ``W2``::
+
+    h      = x_t @ W1[e].T (+ w1_bias[e])               [2I]
+    gate, up = h[:I], h[I:]   (gate_up="concatenated": Qwen3, DeepSeek, Mixtral)
+             | h[0::2], h[1::2]  (gate_up="interleaved": GPT-OSS)
+    a      = silu(gate) * up                            (activation="silu")
+           | (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+                                                        (activation="swiglu_oai": GPT-OSS)
+    y_tk   = a @ W2[e].T (+ w2_bias[e])                 [H]
+    out_t  = sum over k of topk_weights[t, k] * y_tk, in k order; ids -1 contribute nothing
+
+`gated_moe_forward` is that MLP in float (the reference), `quant_moe_forward` dequantises
+first. `quantize_experts` turns float ``[E, 2I, H]`` / ``[E, H, I]`` weights into a
+scheme's tensors, `dequantize_experts` back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from expertcache.quant_fp8 import (
+    dequantize_fp8_blocks,
+    dequantize_fp8_per_tensor,
+    quantize_fp8_blocks,
+    quantize_fp8_per_tensor,
+)
+from expertcache.quant_mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from expertcache.reference import combine_expert_outputs
+from expertcache.result import ExpertWeightResult
+
+FORMATS = ("fp8", "mxfp4")
+GATE_UP_LAYOUTS = ("concatenated", "interleaved")
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantScheme:
+    """A storage format and the gated expert MLP around it (see the module docstring).
+
+    Attributes:
+        format: ``"fp8"`` (e4m3 with fp32 scales) or ``"mxfp4"`` (e2m1 with e8m0 scales).
+        fp8_block: fp8 only: ``(rows, columns)`` per scale, or None for one scale per
+            expert matrix (per-tensor).
+        gate_up: which rows of ``w1`` are the gate: ``"concatenated"`` (the first I) or
+            ``"interleaved"`` (the even ones).
+        activation: ``"silu"`` (SwiGLU) or ``"swiglu_oai"`` (GPT-OSS's clamped SwiGLU).
+        alpha, limit: the constants of ``"swiglu_oai"``.
+        has_bias: ``w1_bias`` ``[E, 2I]`` and ``w2_bias`` ``[E, H]`` are registered and added.
+    """
+
+    format: str
+    fp8_block: tuple[int, int] | None = None
+    gate_up: str = "concatenated"
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+    has_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if self.gate_up not in GATE_UP_LAYOUTS:
+            raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {self.gate_up!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.fp8_block is not None and (
+            self.format != "fp8"
+            or len(self.fp8_block) != 2
+            or not all(isinstance(size, int) and size >= 1 for size in self.fp8_block)
+        ):
+            raise ValueError(f"fp8_block must be None or two positive ints, for fp8 only; got {self.fp8_block!r}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The registered tensor names, ``w1`` and ``w2`` first."""
+        return ("w1", "w2", "w1_scale", "w2_scale") + (("w1_bias", "w2_bias") if self.has_bias else ())
+
+
+#: DeepSeek-V3 / Qwen3-FP8: e4m3, 128x128 block scales, SwiGLU.
+FP8_BLOCK_128 = QuantScheme("fp8", fp8_block=(128, 128))
+#: e4m3, one scale per expert matrix, SwiGLU.
+FP8_PER_TENSOR = QuantScheme("fp8")
+#: GPT-OSS: MXFP4, interleaved gate/up, clamped SwiGLU, biases.
+GPT_OSS_MXFP4 = QuantScheme("mxfp4", gate_up="interleaved", activation="swiglu_oai", has_bias=True)
+
+
+def quantize_experts(
+    scheme: QuantScheme,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The registered tensors of ``scheme`` from float weights.
+
+    Args:
+        w1: ``[E, 2I, H]`` float, rows in ``scheme.gate_up`` order.
+        w2: ``[E, H, I]`` float.
+        w1_bias, w2_bias: ``[E, 2I]``, ``[E, H]``, required when ``scheme.has_bias`` (kept fp32).
+
+    Returns:
+        ``{name: [E, ...]}`` in ``scheme.names`` order (shapes in the module docstring).
+    """
+    out = {}
+    for name, weight in (("w1", w1), ("w2", w2)):
+        if scheme.format == "mxfp4":
+            out[name], out[f"{name}_scale"] = quantize_mxfp4(weight)
+        elif scheme.fp8_block is None:
+            out[name], out[f"{name}_scale"] = quantize_fp8_per_tensor(weight)
+        else:
+            out[name], out[f"{name}_scale"] = quantize_fp8_blocks(weight, scheme.fp8_block)
+    if scheme.has_bias:
+        if w1_bias is None or w2_bias is None:
+            raise ValueError("this scheme registers biases: give w1_bias [E, 2I] and w2_bias [E, H]")
+        out["w1_bias"], out["w2_bias"] = w1_bias.float().contiguous(), w2_bias.float().contiguous()
+    return {name: out[name] for name in scheme.names}
+
+
+def dequantize_experts(
+    scheme: QuantScheme, weights: Mapping[str, torch.Tensor] | ExpertWeightResult, hidden_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w1 [N, 2I, H], w2 [N, H, I])`` float32 from a scheme's tensors (``N`` experts or slots).
+
+    ``hidden_size`` (H) is needed because MXFP4 pads the columns to whole groups of 32.
+    """
+    tensors = weights_of(weights)
+    w1, w2, s1, s2 = (tensors[name] for name in ("w1", "w2", "w1_scale", "w2_scale"))
+    if scheme.format == "mxfp4":
+        inter = w1.shape[1] // 2
+        return dequantize_mxfp4(w1, s1, hidden_size), dequantize_mxfp4(w2, s2, inter)
+    if scheme.fp8_block is None:
+        return dequantize_fp8_per_tensor(w1, s1), dequantize_fp8_per_tensor(w2, s2)
+    return dequantize_fp8_blocks(w1, s1, scheme.fp8_block), dequantize_fp8_blocks(w2, s2, scheme.fp8_block)
+
+
+def weights_of(weights: Mapping[str, torch.Tensor] | ExpertWeightResult) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of a mapping, or of a provider's result (its fields and ``extra``)."""
+    if isinstance(weights, ExpertWeightResult):
+        named = {"w1": weights.w1, "w2": weights.w2, "w1_scale": weights.w1_scale, "w2_scale": weights.w2_scale}
+        return {**{k: v for k, v in named.items() if v is not None}, **weights.extra}
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must map names to tensors or be an ExpertWeightResult, got {type(weights).__name__}")
+    return dict(weights)
+
+
+def gated_moe_forward(
+    hidden: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    scheme: QuantScheme,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated expert MLP of ``scheme`` on float weights, the slow and obvious way.
+
+    Args:
+        hidden: ``[T, H]`` float tokens.
+        w1: ``[N, 2I, H]``, w2: ``[N, H, I]`` float weights indexed by ``topk_ids``.
+        topk_weights: ``[T, K]``; topk_ids: ``[T, K]`` ints, -1 contributes nothing.
+        scheme: gate/up layout, activation, whether biases are added.
+        w1_bias, w2_bias: ``[N, 2I]``, ``[N, H]`` when ``scheme.has_bias``.
+
+    Returns:
+        ``[T, H]`` in ``hidden``'s dtype, summed over k in k order.
+    """
+    tokens, top_k = topk_ids.shape
+    per_choice = hidden.new_zeros(tokens, top_k, w2.shape[1])  # y_tk, [T, K, H]
+    for expert in torch.unique(topk_ids).tolist():
+        if expert == -1:
+            continue
+        token_idx, choice_idx = torch.nonzero(topk_ids == expert, as_tuple=True)
+        h = hidden[token_idx] @ w1[expert].T.to(hidden.dtype)
+        if scheme.has_bias:
+            h = h + w1_bias[expert].to(h.dtype)  # type: ignore[index]
+        y = _activate(h, scheme) @ w2[expert].T.to(hidden.dtype)
+        if scheme.has_bias:
+            y = y + w2_bias[expert].to(y.dtype)  # type: ignore[index]
+        per_choice[token_idx, choice_idx] = y
+    return combine_expert_outputs(per_choice, topk_weights)
+
+
+def quant_moe_forward(
+    hidden: torch.Tensor,
+    weights: Mapping[str, torch.Tensor] | ExpertWeightResult,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    scheme: QuantScheme,
+) -> torch.Tensor:
+    """`gated_moe_forward` in float32 on the dequantised tensors of ``scheme`` (``[N, ...]``).
+
+    Ids outside ``[0, N)`` contribute nothing, as in the kernels. Returns ``[T, H]`` float32.
+    """
+    tensors = weights_of(weights)
+    w1, w2 = dequantize_experts(scheme, tensors, hidden.shape[1])
+    ids = torch.where((topk_ids >= 0) & (topk_ids < w1.shape[0]), topk_ids, -1)
+    return gated_moe_forward(hidden.float(), w1, w2, topk_weights.float(), ids, scheme=scheme,
+                             w1_bias=tensors.get("w1_bias"), w2_bias=tensors.get("w2_bias"))  # fmt: skip
+
+
+def _activate(h: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    if scheme.gate_up == "interleaved":
+        gate, up = h[..., 0::2], h[..., 1::2]
+    else:
+        gate, up = h.chunk(2, dim=-1)
+    if scheme.activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=scheme.limit)
+    up = up.clamp(min=-scheme.limit, max=scheme.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * scheme.alpha))

@@ -1,0 +1,224 @@
+"""Expert apply on quantised weights for decode-sized calls: GEMV, dequantised in registers.
+
+``moe_apply_quant(hidden, weights, topk_weights, topk_ids, scheme=...)`` computes what
+`expertcache.quant.quant_moe_forward` computes (the scheme's gated MLP on the dequantised
+weights), reading the packed ``[N, ...]`` tensors of a slot pool (slot ids) or of all-resident
+experts (expert ids) in place: fp8 e4m3 with block or per-tensor scales, or GPT-OSS MXFP4
+with biases. Like `expert_apply.moe_apply`, three launches, fp32 throughout, no atomics::
+
+    gate_up  grid (T*K, I/BLOCK_I):  act[t,k]  = act_fn(W1g[e] @ x_t + b, W1u[e] @ x_t + b)  fp32
+    down     grid (T*K, H/BLOCK_H):  part[t,k] = topk_weight[t,k] * (W2[e] @ act[t,k] + b2)  fp32
+    sum_k    grid (T, H/256):        out[t]    = sum over k of part[t,k], in k order
+
+Each K step multiplies raw decoded values and scales the partial sums: fp8 steps lie inside
+one scale column (a power of two dividing it), so the scale is one value per row; MXFP4
+steps cover whole groups of 32 (``[rows, groups, 16]`` byte tiles, even and odd columns
+apart). Ids outside ``[0, N)`` (-1 included) contribute nothing and read nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from expertcache.kernels._launch import on_device
+from expertcache.kernels.expert_apply import launch_sum
+from expertcache.kernels.quant_common import (
+    QuantOperands,
+    activate,
+    e2m1_to_float,
+    e8m0_to_float,
+    quant_operands,
+    reduction_block,
+)
+from expertcache.quant import QuantScheme, quant_moe_forward, weights_of
+from expertcache.result import ExpertWeightResult
+
+_BLOCK_ROWS = 16
+_MAX_STEP = 256
+
+
+@triton.jit
+def _rows_times_vector(
+    w_ptr, scale_ptr, x_ptr, rows, row_mask, columns, stride_row, stride_scale_row, scale_rows, scale_cols,
+    FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """``[BLOCK_R]`` fp32: decoded ``W[rows] @ x`` of one expert (``w_ptr``, ``scale_ptr`` at it)."""
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    rows64 = rows.to(tl.int64)
+    if FORMAT == 0:  # fp8: one scale per row in a step
+        scale_row = scale_ptr + (rows64 // scale_rows) * stride_scale_row
+        for start in range(0, columns, BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            col_mask = cols < columns
+            x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            mask = row_mask[:, None] & col_mask[None, :]
+            w = tl.load(w_ptr + rows64[:, None] * stride_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            scale = tl.load(scale_row + start // scale_cols, mask=row_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1) * scale
+    else:  # MXFP4: BLOCK_K // 32 groups a step, bytes [rows, groups, 16]
+        num_groups = (columns + 31) // 32
+        pairs = tl.arange(0, 16)
+        for first in range(0, num_groups, BLOCK_K // 32):
+            groups = first + tl.arange(0, BLOCK_K // 32)
+            group_mask = groups < num_groups
+            even = groups[:, None] * 32 + 2 * pairs[None, :]  # [groups, 16] column of each low nibble
+            x_even = tl.load(x_ptr + even, mask=even < columns, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + even + 1, mask=even + 1 < columns, other=0.0).to(tl.float32)
+            byte_mask = row_mask[:, None, None] & group_mask[None, :, None]
+            offsets = rows64[:, None, None] * stride_row + groups[None, :, None] * 16 + pairs[None, None, :]
+            packed = tl.load(w_ptr + offsets, mask=byte_mask, other=0)
+            low, high = e2m1_to_float(packed & 0xF), e2m1_to_float(packed >> 4)
+            partial = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK_R, groups]
+            code_mask = row_mask[:, None] & group_mask[None, :]
+            codes = tl.load(scale_ptr + rows64[:, None] * stride_scale_row + groups[None, :], mask=code_mask, other=0)
+            acc += tl.sum(partial * e8m0_to_float(codes), axis=1)
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(
+    hidden_ptr, ids_ptr, act_ptr,
+    w_ptr, scale_ptr, bias_ptr, stride_expert, stride_row, stride_scale_expert, stride_scale_row, stride_bias,
+    scale_rows, scale_cols,
+    hidden_size, inter_size, top_k, num_rows, stride_token, row_step, up_offset, alpha, limit,
+    FORMAT: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0).to(tl.int64)
+    outputs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = outputs < inter_size
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    gate = tl.zeros([BLOCK_I], dtype=tl.float32)
+    up = tl.zeros([BLOCK_I], dtype=tl.float32)
+    if (expert >= 0) & (expert < num_rows):  # anything else contributes nothing, reads nothing
+        x_row = hidden_ptr + (pair // top_k) * stride_token
+        gate_rows = outputs * row_step
+        w = w_ptr + expert * stride_expert
+        scales = scale_ptr + expert * stride_scale_expert
+        gate = _rows_times_vector(w, scales, x_row, gate_rows, mask, hidden_size, stride_row, stride_scale_row,
+                                  scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_I)  # fmt: skip
+        up = _rows_times_vector(w, scales, x_row, gate_rows + up_offset, mask, hidden_size, stride_row,
+                                stride_scale_row, scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_I)  # fmt: skip
+        if HAS_BIAS:
+            bias = bias_ptr + expert * stride_bias
+            gate += tl.load(bias + gate_rows, mask=mask, other=0.0).to(tl.float32)
+            up += tl.load(bias + gate_rows + up_offset, mask=mask, other=0.0).to(tl.float32)
+    act = activate(gate, up, alpha, limit, ACTIVATION)
+    tl.store(act_ptr + pair * inter_size + outputs, act, mask=mask)
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, ids_ptr, weights_ptr, part_ptr,
+    w_ptr, scale_ptr, bias_ptr, stride_expert, stride_row, stride_scale_expert, stride_scale_row, stride_bias,
+    scale_rows, scale_cols,
+    hidden_size, inter_size, num_rows,
+    FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    WRITE_ALL: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = rows < hidden_size
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    served = (expert >= 0) & (expert < num_rows)
+    if served:
+        acc = _rows_times_vector(w_ptr + expert * stride_expert, scale_ptr + expert * stride_scale_expert,
+                                 act_ptr + pair * inter_size, rows, mask, inter_size, stride_row, stride_scale_row,
+                                 scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_H)  # fmt: skip
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert * stride_bias + rows, mask=mask, other=0.0).to(tl.float32)
+        acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
+    if WRITE_ALL:  # rows of other passes (or of no expert) become zeros
+        tl.store(part_ptr + pair * hidden_size + rows, acc, mask=mask)
+    elif served:  # other rows belong to another pass: left as they are
+        tl.store(part_ptr + pair * hidden_size + rows, acc, mask=mask)
+
+
+def moe_apply_quant(
+    hidden: torch.Tensor,
+    weights: Mapping[str, torch.Tensor] | ExpertWeightResult,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    scheme: QuantScheme,
+    invalid_ids: torch.Tensor | None = None,
+    fp32_out: bool = False,
+) -> torch.Tensor:
+    """The gated MoE MLP of ``scheme`` reading packed ``weights[name][topk_ids]`` in place.
+
+    Args:
+        hidden: ``[T, H]`` tokens (fp32, fp16 or bf16), contiguous rows.
+        weights: ``{name: [N, ...]}`` with ``scheme.names`` (shapes and dtypes in
+            `expertcache.quant`), or a provider's `ExpertWeightResult` holding them (its
+            ``w1``, ``w2``, ``w1_scale``, ``w2_scale`` and ``extra``).
+        topk_weights: ``[T, K]`` router weights.
+        topk_ids: ``[T, K]`` int32/int64 indices into the weights (slot ids for a pool's
+            result); ids outside ``[0, N)``, -1 included, contribute nothing.
+        scheme: the format and MLP (`expertcache.quant.FP8_BLOCK_128`, ``FP8_PER_TENSOR``,
+            ``GPT_OSS_MXFP4``, or any `QuantScheme`).
+        invalid_ids: optional ``[1]`` int64 counter on ``hidden``'s device; ids outside
+            ``[-1, N)`` are added to it.
+        fp32_out: return the fp32 accumulator instead of rounding to ``hidden``'s dtype.
+
+    Returns:
+        ``[T, H]`` in ``hidden``'s dtype (fp32 with ``fp32_out``), accumulated in fp32.
+    """
+    ops = quant_operands(hidden, weights_of(weights), topk_weights, topk_ids, scheme)
+    _check_counter(invalid_ids, hidden.device)
+    tokens, top_k = topk_ids.shape
+    out_dtype = torch.float32 if fp32_out else hidden.dtype
+    if tokens == 0 or top_k == 0:  # the mixture of no expert is zero
+        return torch.zeros(tokens, ops.hidden_size, dtype=out_dtype, device=hidden.device)
+    ids, router = topk_ids.contiguous(), topk_weights.contiguous()
+    part = torch.empty(tokens * top_k, ops.hidden_size, dtype=torch.float32, device=hidden.device)
+    act = torch.empty(tokens * top_k, ops.inter_size, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(tokens, ops.hidden_size, dtype=out_dtype, device=hidden.device)
+    counter = torch.zeros(1, dtype=torch.int64, device=hidden.device)
+    with on_device(hidden.device):
+        launch_quant_pairs(hidden, ops, ids, router, act, part, True)
+        launch_sum(part, ids, counter, out, ops.num_rows)
+    if invalid_ids is not None:
+        invalid_ids.add_(counter)
+    return out
+
+
+def moe_apply_quant_torch(
+    hidden: torch.Tensor,
+    weights: Mapping[str, torch.Tensor] | ExpertWeightResult,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    scheme: QuantScheme,
+) -> torch.Tensor:
+    """Reference of `moe_apply_quant`: dequantise in fp32, run the float MLP, round to ``hidden``'s dtype."""
+    return quant_moe_forward(hidden, weights, topk_weights, topk_ids, scheme=scheme).to(hidden.dtype)
+
+
+def launch_quant_pairs(hidden, ops: QuantOperands, ids, weights, act, part, write_all: bool) -> None:
+    """gate_up and down over every (token, choice): ``part[t*K + k]`` = weighted expert
+    output for ids in ``[0, N)``; other rows get zeros (``write_all``) or stay as they were."""
+    tokens, top_k = ids.shape
+    pairs = tokens * top_k
+    _gate_up_kernel[(pairs, triton.cdiv(ops.inter_size, _BLOCK_ROWS))](
+        hidden, ids, act, *ops.w1.args(),
+        ops.hidden_size, ops.inter_size, top_k, ops.num_rows, hidden.stride(0), ops.row_step, ops.up_offset,
+        ops.alpha, ops.limit, FORMAT=ops.format, ACTIVATION=ops.activation, HAS_BIAS=ops.has_bias,
+        BLOCK_I=_BLOCK_ROWS, BLOCK_K=reduction_block(ops.w1, ops.format, _MAX_STEP),
+    )  # fmt: skip
+    _down_kernel[(pairs, triton.cdiv(ops.hidden_size, _BLOCK_ROWS))](
+        act, ids, weights, part, *ops.w2.args(), ops.hidden_size, ops.inter_size, ops.num_rows,
+        FORMAT=ops.format, HAS_BIAS=ops.has_bias, BLOCK_H=_BLOCK_ROWS,
+        BLOCK_K=reduction_block(ops.w2, ops.format, _MAX_STEP), WRITE_ALL=write_all,
+    )  # fmt: skip
+
+
+def _check_counter(invalid_ids: torch.Tensor | None, device: torch.device) -> None:
+    if invalid_ids is not None and (
+        invalid_ids.dtype != torch.int64 or invalid_ids.numel() != 1 or invalid_ids.device != device
+    ):
+        raise ValueError(f"invalid_ids must be a [1] int64 counter on {device}")

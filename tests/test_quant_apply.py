@@ -1,0 +1,258 @@
+"""The quantised apply kernels (GEMV and grouped) equal the dequantising reference; a slot
+pool serves packed tensors bit for bit and the kernels read them in place.
+
+Interpreted on a CPU (GEMV: fp32 and bf16 activations; grouped: fp32 and fp16, the
+interpreter's bf16 products being wrong), compiled on a GPU (bf16 too, and model-sized
+shapes). The weights sit between poisoned experts (fp8 NaN bytes, e8m0 code 255, NaN
+biases), so a kernel that read outside ``[0, N)`` would give NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import HAS_CUDA, devices
+from helpers import random_topk
+
+from expertcache import CachedWeightProvider
+from expertcache.kernels import moe_apply_quant, moe_apply_quant_grouped, moe_apply_quant_passes, moe_apply_quant_torch
+from expertcache.quant import FP8_BLOCK_128, FP8_PER_TENSOR, GPT_OSS_MXFP4, QuantScheme, quantize_experts, weights_of
+
+SCHEMES = [
+    pytest.param(FP8_PER_TENSOR, id="fp8-tensor"),
+    pytest.param(QuantScheme("fp8", fp8_block=(16, 16)), id="fp8-block16"),  # many blocks at small shapes
+    pytest.param(QuantScheme("fp8", fp8_block=(8, 32)), id="fp8-block8x32"),  # rectangular blocks
+    pytest.param(GPT_OSS_MXFP4, id="mxfp4-gpt-oss"),
+    # the options are independent of the format:
+    pytest.param(
+        QuantScheme("fp8", fp8_block=(16, 16), gate_up="interleaved", activation="swiglu_oai", has_bias=True),
+        id="fp8-oai-bias",
+    ),  # fmt: skip
+    pytest.param(QuantScheme("mxfp4"), id="mxfp4-silu"),
+]
+
+SHAPES = [
+    (1, 1, 1, 16, 16),  # one token, one expert, top-1
+    (1, 4, 6, 40, 24),  # decode T=1; H, I not multiples of the blocks or of 32
+    (3, 5, 5, 48, 40),  # K = E, prime E: every token in every expert
+    (9, 2, 7, 72, 20),  # several K steps, ragged last step and row block
+]
+
+# activation dtype and tolerance (relative to the output's largest magnitude)
+GEMV_DTYPES = [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 1e-2, id="bf16")]
+GROUPED_DTYPES = [
+    pytest.param(torch.float32, 1e-5, id="fp32"),
+    pytest.param(torch.float16, 4e-3, id="fp16"),
+    pytest.param(torch.bfloat16, 2e-2, id="bf16", marks=pytest.mark.gpu),
+]
+
+
+def float_experts(num_experts, hidden, inter, gen, *, gain=1.0):
+    return (
+        torch.randn(num_experts, 2 * inter, hidden, generator=gen) * gain / hidden**0.5,
+        torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5,
+        torch.randn(num_experts, 2 * inter, generator=gen) * 0.5,
+        torch.randn(num_experts, hidden, generator=gen) * 0.1,
+    )
+
+
+def poisoned(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """Each tensor as the view ``[1:-1]`` of a buffer whose entries -1 and N are poison."""
+    out = {}
+    for name, tensor in tensors.items():
+        buffer = torch.empty(tensor.shape[0] + 2, *tensor.shape[1:], dtype=tensor.dtype)
+        if tensor.dtype == torch.float8_e4m3fn:
+            buffer.view(torch.uint8).fill_(0x7F)  # NaN
+        elif tensor.dtype == torch.uint8:
+            buffer.fill_(255)  # e8m0 NaN (decodes to inf); blocks: -6
+        else:
+            buffer.fill_(float("nan"))
+        buffer[1:-1] = tensor
+        out[name] = buffer.to(device)[1:-1]
+    return out
+
+
+def call(scheme, tokens, top_k, num_experts, hidden, inter, *, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = quantize_experts(scheme, *float_experts(num_experts, hidden, inter, gen, gain=4.0))
+    ids = random_topk(tokens, top_k, num_experts, generator=gen)
+    if top_k > 1:
+        ids[0, -1] = -1  # a skipped choice contributes nothing
+        ids[-1, 0] = num_experts  # out of range: skipped and counted
+    x = (torch.randn(tokens, hidden, generator=gen) * 2).to(dtype)
+    router = torch.rand(tokens, top_k, generator=gen)
+    return x.to(device), poisoned(tensors, device), router.to(device), ids.to(device)
+
+
+def check(ours, reference, dtype, tolerance):
+    assert ours.dtype == dtype and not ours.isnan().any()
+    scale = reference.float().abs().max().clamp(min=1.0)
+    torch.testing.assert_close(ours.float(), reference.float(), atol=tolerance * scale, rtol=tolerance)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype, tolerance", GEMV_DTYPES)
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("tokens, top_k, num_experts, hidden, inter", SHAPES)
+def test_gemv_matches_reference(device, dtype, tolerance, scheme, tokens, top_k, num_experts, hidden, inter):
+    x, tensors, router, ids = call(scheme, tokens, top_k, num_experts, hidden, inter, dtype=dtype, device=device)
+    invalid = torch.zeros(1, dtype=torch.int64, device=device)
+    ours = moe_apply_quant(x, tensors, router, ids, scheme=scheme, invalid_ids=invalid)
+    check(ours, moe_apply_quant_torch(x, tensors, router, ids, scheme=scheme), dtype, tolerance)
+    assert invalid.item() == (1 if top_k > 1 else 0)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype, tolerance", GROUPED_DTYPES)
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("tokens, top_k, num_experts, hidden, inter", SHAPES)
+def test_grouped_matches_reference(device, dtype, tolerance, scheme, tokens, top_k, num_experts, hidden, inter):
+    x, tensors, router, ids = call(scheme, tokens, top_k, num_experts, hidden, inter, dtype=dtype, device=device)
+    invalid = torch.zeros(1, dtype=torch.int64, device=device)
+    ours = moe_apply_quant_grouped(x, tensors, router, ids, scheme=scheme, invalid_ids=invalid)
+    check(ours, moe_apply_quant_torch(x, tensors, router, ids, scheme=scheme), dtype, tolerance)
+    assert invalid.item() == (1 if top_k > 1 else 0)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_real_block_size_on_ragged_shapes(device):
+    """DeepSeek's 128x128 blocks with H, I past one block and ragged (2 x 2 and 3 x 2 scales)."""
+    x, tensors, router, ids = call(FP8_BLOCK_128, 2, 3, 4, 200, 136, dtype=torch.float32, device=device)
+    reference = moe_apply_quant_torch(x, tensors, router, ids, scheme=FP8_BLOCK_128)
+    assert tensors["w1_scale"].shape[1:] == (3, 2) and tensors["w2_scale"].shape[1:] == (2, 2)
+    check(moe_apply_quant(x, tensors, router, ids, scheme=FP8_BLOCK_128), reference, torch.float32, 1e-5)
+    grouped = moe_apply_quant_grouped(x, tensors, router, ids, scheme=FP8_BLOCK_128)
+    check(grouped, reference, torch.float32, 1e-5)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_no_choices_give_zeros(device):
+    x, tensors, router, ids = call(GPT_OSS_MXFP4, 3, 2, 4, 32, 16, dtype=torch.float32, device=device)
+    none = torch.full_like(ids, -1)
+    for apply in (moe_apply_quant, moe_apply_quant_grouped):
+        assert torch.equal(apply(x, tensors, router, none, scheme=GPT_OSS_MXFP4), torch.zeros_like(x))
+        empty = apply(x[:0], tensors, router[:0], ids[:0], scheme=GPT_OSS_MXFP4)
+        assert empty.shape == (0, 32)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("scheme", [FP8_BLOCK_128, GPT_OSS_MXFP4], ids=["fp8-block", "mxfp4"])
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_slots_serve_packed_tensors_bit_exactly(device, scheme, mode):
+    """Each slot holds its expert's packed bytes; the kernels on the slots equal the full weights."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = quantize_experts(scheme, *float_experts(10, 40, 24, gen))
+    full = {name: tensor.to(device) for name, tensor in tensors.items()}
+    provider = CachedWeightProvider(tensors, cache_size=4, device=device, mode=mode)
+    for _ in range(4):
+        ids = random_topk(2, 2, 10, generator=gen).to(device)
+        x = torch.randn(2, 40, generator=gen).to(device)
+        router = torch.rand(2, 2, generator=gen).to(device)
+        result = provider.prepare(ids)
+        slots = weights_of(result)
+        assert tuple(sorted(slots)) == tuple(sorted(scheme.names))
+        for slot in range(4):
+            expert = provider.expert_in(slot)
+            if expert >= 0:
+                for name in scheme.names:
+                    assert torch.equal(_bytes(slots[name][slot]), _bytes(full[name][expert])), name
+        for apply in (moe_apply_quant, moe_apply_quant_grouped):
+            assert torch.equal(apply(x, result, router, result.topk_ids, scheme=scheme),
+                               apply(x, full, router, ids, scheme=scheme))  # fmt: skip
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode", ["host", "device"])
+@pytest.mark.parametrize("kernel", ["gemv", "grouped"])
+def test_passes_are_bit_identical_to_one_call(device, mode, kernel):
+    gen = torch.Generator().manual_seed(2)
+    tensors = quantize_experts(GPT_OSS_MXFP4, *float_experts(9, 32, 16, gen))
+    full = {name: tensor.to(device) for name, tensor in tensors.items()}
+    provider = CachedWeightProvider(tensors, cache_size=3, device=device, mode=mode)
+    one_call = moe_apply_quant if kernel == "gemv" else moe_apply_quant_grouped
+    for _ in range(2):
+        ids = random_topk(5, 3, 9, generator=gen).to(device)  # more experts than slots: passes
+        x = torch.randn(5, 32, generator=gen).to(device)
+        router = torch.rand(5, 3, generator=gen).to(device)
+        ours = moe_apply_quant_passes(x, provider.passes(ids), router, scheme=GPT_OSS_MXFP4, kernel=kernel)
+        assert torch.equal(ours, one_call(x, full, router, ids, scheme=GPT_OSS_MXFP4))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_bad_inputs_raise(device):
+    gen = torch.Generator().manual_seed(3)
+    floats = float_experts(3, 32, 16, gen)
+    fp8 = {name: t.to(device) for name, t in quantize_experts(FP8_BLOCK_128, *floats).items()}
+    mxfp4 = {name: t.to(device) for name, t in quantize_experts(GPT_OSS_MXFP4, *floats).items()}
+    x, router = torch.randn(2, 32, device=device), torch.rand(2, 2, device=device)
+    ids = torch.zeros(2, 2, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="lack"):
+        moe_apply_quant(x, {k: v for k, v in mxfp4.items() if k != "w2_bias"}, router, ids, scheme=GPT_OSS_MXFP4)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        moe_apply_quant(x, {**fp8, "w1": fp8["w1"].float()}, router, ids, scheme=FP8_BLOCK_128)
+    with pytest.raises(ValueError, match="w2_scale"):
+        moe_apply_quant(x, {**fp8, "w2_scale": fp8["w2_scale"][:, :, :0]}, router, ids, scheme=FP8_BLOCK_128)
+    with pytest.raises(ValueError, match="MXFP4 blocks"):
+        moe_apply_quant(torch.randn(2, 64, device=device), mxfp4, router, ids, scheme=GPT_OSS_MXFP4)
+    with pytest.raises(TypeError, match="QuantScheme"):
+        moe_apply_quant(x, fp8, router, ids, scheme="fp8")
+    odd = QuantScheme("fp8", fp8_block=(8, 8))  # K steps of 8 columns: too small for tl.dot
+    odd_tensors = {name: t.to(device) for name, t in quantize_experts(odd, *floats).items()}
+    with pytest.raises(NotImplementedError, match="scale blocks"):
+        moe_apply_quant_grouped(x, odd_tensors, router, ids, scheme=odd)
+    many = torch.randint(0, 3, (20, 2), device=device)  # "auto" would take the grouped GEMM: falls back
+    x20, router20 = torch.randn(20, 32, device=device), torch.rand(20, 2, device=device)
+    result = CachedWeightProvider(odd_tensors, cache_size=3, device=device).prepare(many)
+    torch.testing.assert_close(moe_apply_quant_passes(x20, [result], router20, scheme=odd),
+                               moe_apply_quant_torch(x20, odd_tensors, router20, many, scheme=odd))  # fmt: skip
+
+
+# ---- GPU: model-sized shapes -------------------------------------------------------------
+
+MODELS = [
+    # Qwen3-30B-A3B-FP8 experts: H 2048, I 768, 128x128 blocks, top-8
+    pytest.param(FP8_BLOCK_128, 2048, 768, 16, 8, id="qwen3-30b-fp8"),
+    # GPT-OSS-20B: H = I = 2880, MXFP4 with biases, top-4
+    pytest.param(GPT_OSS_MXFP4, 2880, 2880, 8, 4, id="gpt-oss-20b"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme, hidden, inter, num_experts, top_k", MODELS)
+@pytest.mark.parametrize("tokens", [1, 64])  # decode (GEMV) and a batch (grouped)
+def test_model_shapes_on_gpu(scheme, hidden, inter, num_experts, top_k, tokens):
+    gen = torch.Generator().manual_seed(4)
+    tensors = quantize_experts(scheme, *(t.cuda() for t in float_experts(num_experts, hidden, inter, gen)))
+    ids = random_topk(tokens, top_k, num_experts, generator=gen).cuda()
+    x = torch.randn(tokens, hidden, generator=gen).cuda().bfloat16()
+    router = torch.rand(tokens, top_k, generator=gen).cuda()
+    reference = moe_apply_quant_torch(x, tensors, router, ids, scheme=scheme)
+    check(moe_apply_quant(x, tensors, router, ids, scheme=scheme), reference, torch.bfloat16, 2e-2)
+    check(moe_apply_quant_grouped(x, tensors, router, ids, scheme=scheme), reference, torch.bfloat16, 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", [FP8_BLOCK_128, GPT_OSS_MXFP4], ids=["fp8-block", "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 64])  # GEMV and grouped
+def test_captured_in_a_cuda_graph(scheme, tokens):
+    """No host sync: a graph captures the call and replays it for new routing."""
+    gen = torch.Generator().manual_seed(5)
+    tensors = quantize_experts(scheme, *(t.cuda() for t in float_experts(16, 256, 128, gen)))
+    x = torch.randn(tokens, 256, generator=gen).cuda().bfloat16()
+    router = torch.rand(tokens, 4, generator=gen).cuda()
+    ids = random_topk(tokens, 4, 16, generator=gen).cuda()
+    apply = moe_apply_quant if tokens == 1 else moe_apply_quant_grouped
+    apply(x, tensors, router, ids, scheme=scheme)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = apply(x, tensors, router, ids, scheme=scheme)
+    for _ in range(3):
+        ids.copy_(random_topk(tokens, 4, 16, generator=gen).cuda())
+        graph.replay()
+        assert torch.equal(out, apply(x, tensors, router, ids, scheme=scheme))
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).cpu()
