@@ -26,7 +26,7 @@ steps=${*:-suite prepare decode}
 for step in $steps; do
   echo "=== $step"
   case $step in
-    suite) timeout 330 python3 -m pytest -q -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/suite.log" | tail -40 ;;
+    suite) timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/suite.log" | tail -40 ;;
     tests) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=6 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     prepare) timeout 180 python3 benchmarks/bench_prepare.py --calls 100 2>&1 | tee "$OUT/bench_prepare.log" ;;
     decode) timeout 400 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" ;;
