@@ -6,13 +6,16 @@ cache at several sizes and both budgets, on the GPU if there is one (bf16), else
 (fp32), and prints for each run whether the tokens equal the uncached run's, the hit rate,
 the bytes copied host -> device, the expert bytes the device holds against fully resident,
 the measured peak device memory (CUDA only) and the time. One run records its routing into
-a `RoutingTrace`, which is saved as ``.npz`` and read back.
+a `RoutingTrace`, which is saved as ``.npz`` and read back. On a GPU it then decodes again
+with `GraphedGenerator` (each step one CUDA-graph replay), all experts resident and with the
+device-mode cache inside the graph, and checks those tokens against the first run's too.
 
 Random weights route almost uniformly: the hit rates here are a worst case.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +24,10 @@ import numpy as np
 import torch
 
 from expertcache.integrations.transformers.generation import GenerationRun, greedy_generate
+from expertcache.integrations.transformers.graphed import GraphedGenerator, timed_generate
 from expertcache.integrations.transformers.handle import enable_expert_cache
 from expertcache.integrations.transformers.random_models import FAMILIES, ModelSizes, random_model
+from expertcache.stats import CacheStats
 from expertcache.trace.format import RoutingTrace
 from expertcache.trace.recorder import RoutingRecorder
 from expertcache.validation import resolve_device
@@ -53,6 +58,7 @@ def run_demo(
     prompt_tokens: int = 24,
     sizes: ModelSizes = DEMO_SIZES,
     trace_path: Path | None = None,
+    graphs: bool | None = None,
 ) -> list[DemoRow]:
     """Generate without and with the cache, print the table and the trace check.
 
@@ -63,6 +69,7 @@ def run_demo(
         prompt_tokens: prompt length, at least 1.
         sizes: the model's sizes.
         trace_path: keep the recorded trace in exactly this file (its folder must exist).
+        graphs: add the `GraphedGenerator` runs (default: on CUDA; True on the CPU raises).
 
     Returns:
         The table's rows (the first is the uncached run).
@@ -71,6 +78,10 @@ def run_demo(
         ValueError / TypeError: any argument out of range, checked before a model is built.
     """
     target = _check_arguments(family, device, new_tokens, prompt_tokens, trace_path)
+    if graphs is None:
+        graphs = target.type == "cuda"
+    if graphs and target.type != "cuda":
+        raise ValueError(f"graphs=True needs a CUDA device, the demo runs on {target}")
     dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
     model = random_model(family, sizes, dtype=dtype).to(target)
     if target.type == "cuda":
@@ -82,8 +93,7 @@ def run_demo(
     _print_header(family, sizes, target, dtype, prompt_tokens, new_tokens)
     greedy_generate(model, prompt, 2)  # warm-up: first-call costs stay out of the timings
     baseline = greedy_generate(model, prompt, new_tokens, progress="no cache")
-    expert_bytes = sum(p.nbytes for n, p in model.named_parameters() if ".experts." in n)
-    rows = [DemoRow("all experts resident", baseline, True, None, 0, expert_bytes)]
+    rows = [DemoRow("all experts resident", baseline, True, None, 0, baseline_expert_bytes(model))]
     recorder = RoutingRecorder(source="expertcache demo")
     E = sizes.num_experts
     settings = [(E // 4, "global"), (E // 2, "global"), (E // 2, "per-layer"), (E, "global")]
@@ -92,6 +102,11 @@ def run_demo(
         label = f"{budget} {cache_size}/{E}"
         handle = enable_expert_cache(model, cache_size=cache_size, budget=budget, recorder=record)
         rows.append(_cached_run(handle, model, prompt, new_tokens, label, baseline))
+    if graphs:  # device-mode caches: admission, copies and remap inside the graph
+        graphed: list[tuple[int | None, str]] = [(None, ""), (E // 4, "global"), (E // 2, "per-layer")]
+        for slots, budget in graphed:
+            label = "graphed, all resident" if slots is None else f"graphed {budget} {slots}/{E}"
+            rows.append(_graphed_run(model, prompt, new_tokens, baseline, slots, budget, label))
     _print_table(rows)
     _check_trace(recorder, trace_path, rows[0].run)
     _print_routing_spread(recorder.trace(), prompt_tokens)
@@ -126,6 +141,37 @@ def _cached_run(handle, model, prompt, new_tokens, label, baseline) -> DemoRow:
     return DemoRow(label, run, identical, stats.hit_rate, stats.bytes_h2d, slot_bytes)
 
 
+def _graphed_run(model, prompt, new_tokens, baseline, cache_size: int | None, budget: str, label: str) -> DemoRow:
+    """A `GraphedGenerator` run; with a cache, device mode (its admission is in the graph)."""
+    handle = None
+    if cache_size is not None:
+        handle = enable_expert_cache(model, cache_size=cache_size, budget=budget, mode="device")
+    try:
+        runner = GraphedGenerator(model, max_length=prompt.shape[1] + new_tokens, graphs=True)
+        runner.generate(prompt, max_new_tokens=min(new_tokens, runner.warmup_steps + 2))  # warm-up, capture
+        before = CacheStats() if handle is None else handle.stats.total
+        run = timed_generate(runner, prompt, new_tokens)
+        del runner  # the graphs hold the slots' addresses: gone before disable()
+        identical = bool(torch.equal(run.tokens, baseline.tokens))
+        if handle is None:
+            return DemoRow(label, run, identical, None, 0, baseline_expert_bytes(model))
+        stats = _since(handle.stats.total, before)
+        return DemoRow(label, run, identical, stats.hit_rate, stats.bytes_h2d, handle.slot_bytes)
+    finally:
+        if handle is not None:
+            handle.disable()
+
+
+def baseline_expert_bytes(model) -> int:
+    """Bytes of the expert parameters when every expert is resident."""
+    return sum(p.nbytes for n, p in model.named_parameters() if ".experts." in n)
+
+
+def _since(after: CacheStats, before: CacheStats) -> CacheStats:
+    names = [field.name for field in dataclasses.fields(CacheStats)]
+    return CacheStats(**{name: getattr(after, name) - getattr(before, name) for name in names})
+
+
 def _print_header(family, sizes: ModelSizes, target, dtype, prompt_tokens, new_tokens) -> None:
     print(
         f"expertcache demo: random {family} model, {sizes.num_moe_layers} MoE layers x "
@@ -154,6 +200,8 @@ def _print_table(rows: list[DemoRow]) -> None:
             f"{peak:>8} {row.run.seconds:>7.2f} {row.run.tokens_per_second:>7.1f}"
         )
     print("(peak MB: torch.cuda.max_memory_allocated during the run, whole model; n/a on CPU)")
+    if any(row.label.startswith("graphed") for row in rows):
+        print("(graphed: GraphedGenerator, one CUDA-graph replay per token; caches in device mode)")
 
 
 def _check_trace(recorder: RoutingRecorder, path: Path | None, baseline: GenerationRun) -> None:

@@ -125,6 +125,17 @@ def test_generate_needs_a_cache_size(checkpoint, capsys):
     assert "needs --moe-expert-cache-size" in _generate_error(["--model", str(checkpoint)], capsys)
 
 
+def test_generate_refuses_slots_away_from_the_model(checkpoint, capsys):
+    argv = ["--model", str(checkpoint), "--moe-expert-cache-size", "4", "--device", "cpu",
+            "--moe-expert-cache-device", "cuda"]  # fmt: skip
+    err = _generate_error(argv, capsys)
+    if torch.cuda.is_available():
+        assert "--moe-expert-cache-device cuda differs from the model's --device cpu" in err
+    else:  # the flag itself is refused: there is no GPU to put slots on
+        assert "CUDA is not available" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("size", ["1", "9"])
 def test_generate_size_out_of_range(checkpoint, size, capsys):
     err = _generate_error(["--model", str(checkpoint), "--moe-expert-cache-size", size], capsys)

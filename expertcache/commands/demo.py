@@ -1,4 +1,7 @@
-"""``expertcache demo``: the embedded default job (no download; GPU if present, else CPU)."""
+"""``expertcache demo``: the embedded default job (no download; GPU if present, else CPU).
+
+On a GPU it also decodes through CUDA graphs (`GraphedGenerator`); ``--no-graphs`` skips that.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE.npz",
         help="keep the recorded routing trace in exactly this file (default: a temporary file)",
     )
+    parser.add_argument(
+        "--no-graphs",
+        dest="graphs",
+        action="store_false",
+        default=None,
+        help="on a GPU, skip the runs decoded through CUDA graphs (GraphedGenerator)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -44,5 +54,6 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         new_tokens=args.new_tokens,
         trace_path=args.save_trace,
+        graphs=args.graphs,  # None: on CUDA
     )
     return 0 if all(row.identical for row in rows) else 1

@@ -42,6 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="then generate again with every expert resident and check the tokens match",
     )
     parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="decode with each step replayed from a CUDA graph (GraphedGenerator; needs a CUDA GPU and "
+        "--moe-expert-cache-mode device; experts computed with transformers' batched_mm)",
+    )
+    parser.add_argument(
         "--save-trace",
         type=output_file(),
         default=None,
@@ -76,10 +82,32 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         blocks = check_cache_size(_skeleton(model_config), config.cache_size)
     except (ValueError, OSError) as error:  # unknown model type, no MoE layers, size out of range
         parser.error(f"{args.model}: {error}")
+    slots = getattr(args, "moe_expert_cache_device", None)
+    if slots is not None and resolve_device(slots) != device:
+        parser.error(
+            f"--moe-expert-cache-device {slots} differs from the model's --device {device}: the experts are "
+            f"computed where the model runs, so the slots must be there too (drop one of the flags)"
+        )
+    if args.graphs:
+        _check_graphs(args, config, device, parser)
     tokenizer = _tokenizer(args.model)
     input_ids = _prompt_ids(args.prompt, tokenizer, model_config, parser).to(device)
     config = dataclasses.replace(config, device=str(device))
     return _generate(args, config, blocks, tokenizer, input_ids, device, torch)
+
+
+def _check_graphs(args, config, device, parser: argparse.ArgumentParser) -> None:
+    """What ``--graphs`` needs, checked before the weights are read."""
+    if device.type != "cuda":
+        where = "--device cpu" if args.device is not None else "this machine has no CUDA GPU"
+        parser.error(f"--graphs captures the decode step in CUDA graphs and needs a CUDA GPU ({where})")
+    if config.mode != "device":
+        parser.error(
+            "--graphs needs --moe-expert-cache-mode device: host mode reads routing ids on the host "
+            "every layer, which a CUDA graph cannot capture"
+        )
+    if args.save_trace is not None:
+        parser.error("--graphs cannot record a routing trace (the recorder copies ids to the host every layer)")
 
 
 def _check_directory(path: Path, parser: argparse.ArgumentParser) -> None:
@@ -153,6 +181,9 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as error:  # a corrupt checkpoint
         raise ValueError(f"--model {args.model}: cannot load the weights ({type(error).__name__}: {error})") from None
     recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
+    if args.graphs:
+        # what generate() decodes with on a GPU; grouped_mm's fallbacks (non-bf16) sync
+        model.set_experts_implementation("batched_mm")
     handle = enable_expert_cache(model, config, recorder=recorder)
     assert handle is not None  # config is not None
     model.to(device)  # everything but the experts, which now live in the store and the slots
@@ -169,7 +200,10 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     )
     if recorder is not None:
         recorder.begin_request()
-    run = greedy_generate(model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="generate")
+    if args.graphs:
+        run = _graphed_run(model, input_ids, args.max_new_tokens)
+    else:
+        run = greedy_generate(model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="generate")
     _print_output(run, input_ids, tokenizer)
     stats = handle.stats.total
     print(
@@ -190,6 +224,19 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     same = bool(torch.equal(resident.tokens, run.tokens))
     print(f"without the cache: {'identical tokens' if same else 'DIFFERENT tokens'}")
     return 0 if same else 1
+
+
+def _graphed_run(model, input_ids, max_new_tokens):
+    """Greedy decoding to EOS (as greedy_generate with stop_at_eos) through CUDA graphs."""
+    from expertcache.integrations.transformers.graphed import GraphedGenerator, timed_generate
+
+    runner = GraphedGenerator(model, max_length=input_ids.shape[1] + max_new_tokens, graphs=True)
+    generation = model.generation_config
+    pad = generation.pad_token_id or 0  # as greedy_generate
+    run = timed_generate(runner, input_ids, max_new_tokens, eos_token_id=generation.eos_token_id, pad_token_id=pad)
+    buckets = ", ".join(map(str, runner.captured_buckets)) or "none (fewer steps than the warm-up)"
+    print(f"decode: CUDA graphs captured for batch bucket {buckets}; {runner.replays} replays")
+    return run  # the runner (and its graphs, which hold the slots' addresses) goes before disable()
 
 
 def _print_output(run, input_ids, tokenizer) -> None:

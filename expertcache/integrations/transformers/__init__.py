@@ -5,6 +5,8 @@
     print(handle.stats.total.hit_rate)
     handle.disable()                                     # original weights back
 
+`GraphedGenerator` decodes with each step one CUDA-graph replay (device-mode cache inside).
+
 Plugs in through transformers' own experts extension point (``@use_experts_implementation``
 and its experts-function registry); expert blocks are found from module and parameter
 names, not from a table of models.
@@ -17,6 +19,7 @@ from expertcache.integrations.transformers.discovery import (
     find_expert_blocks,
 )
 from expertcache.integrations.transformers.dispatch import IMPLEMENTATION_NAME
+from expertcache.integrations.transformers.graphed import GraphedGenerator
 from expertcache.integrations.transformers.handle import (
     ExpertCacheHandle,
     ExpertCacheStats,
@@ -29,6 +32,7 @@ __all__ = [
     "ExpertBlock",
     "ExpertCacheHandle",
     "ExpertCacheStats",
+    "GraphedGenerator",
     "NoExpertsError",
     "UnsupportedModelError",
     "check_cache_size",
