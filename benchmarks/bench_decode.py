@@ -11,23 +11,41 @@ Variants (one process, same kernels, same routing):
 Physical bound of a cached step: (a)'s graphed step time + miss bytes / measured pinned
 copy bandwidth. Each variant runs the trace once to warm the cache, then once timed.
 
+``--compression exponent`` runs instead the comparison of raw and exponent-coded stores
+(`expertcache.compression`) side by side: (a) graphed, then (d) device graph with each
+store at every fraction. Bound of a coded step: (a) + *coded* miss bytes / pinned
+bandwidth (what crosses PCIe); ``eff_raw_gbps`` = raw miss bytes delivered into slots per
+second of the step's time above (a), against the pinned bandwidth (``eff_vs_pinned`` > 1:
+the code delivers more than PCIe carries). The coded stores are encoded on the GPU.
+``--dry-run``: that comparison on a CPU, tiny fp16 shapes, interpreted kernels, eager
+device mode, results to a temporary folder: a check, not a measurement.
+
     python benchmarks/bench_decode.py [--layers 12] [--fractions 0.25 0.5 1.0]
+    python benchmarks/bench_decode.py --compression exponent [--skip-raw]
+    python benchmarks/bench_decode.py --compression exponent --dry-run
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
-import json
+import os
 import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 
-import numpy as np
-import torch
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 from _common import append_csv, cuda_time_ms, pinned_copy_gbps, print_table, traces_dir  # noqa: E402
 from baselines import FlashlibLRUProvider, WholeLayerStreamingProvider  # noqa: E402
 
@@ -47,6 +65,8 @@ SHAPES = {
     # layer l's top-8 = the first 4 ids of trace layers 2l (experts 0-127) and 2l+1 (128-255)
     "deepseek-v3": dict(name="DeepSeek-V3 fp8", hidden=7168, inter=2048, experts=256, top_k=8, layers=4),
 }
+#: ``--dry-run``: Qwen3's routing (128 experts) on tiny fp16 experts (the interpreter does fp16 math, not bf16)
+TINY = dict(name="tiny (dry run)", hidden=64, inter=32, experts=128, top_k=8, layers=2, dtype=torch.float16)
 
 
 def qwen3_routing(folder: Path, layers: int) -> np.ndarray:
@@ -70,12 +90,13 @@ def shape_routing(key: str, layers: int) -> np.ndarray:
 
 
 def shape_weights(key: str, shape: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """One layer's random expert weights on the GPU, in the shape's format."""
+    """One layer's random expert weights on ``gen``'s device (the GPU), in the shape's format."""
     E, H, inter = shape["experts"], shape["hidden"], shape["inter"]
     if key == "qwen3-30b-a3b":
+        dtype, device = shape.get("dtype", torch.bfloat16), gen.device
         return {
-            "w1": torch.randn(E, 2 * inter, H, device="cuda", generator=gen, dtype=torch.bfloat16) * H**-0.5,
-            "w2": torch.randn(E, H, inter, device="cuda", generator=gen, dtype=torch.bfloat16) * inter**-0.5,
+            "w1": torch.randn(E, 2 * inter, H, device=device, generator=gen, dtype=dtype) * H**-0.5,
+            "w2": torch.randn(E, H, inter, device=device, generator=gen, dtype=dtype) * inter**-0.5,
         }
     weights = {"w1": (E, 2 * inter, H), "w2": (E, H, inter)}
     out = {}
@@ -94,18 +115,24 @@ def total_stats(providers) -> CacheStats:
     return sum((p.stats for p in providers), CacheStats())
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_pass(step: Callable, hidden: torch.Tensor, routing: torch.Tensor) -> float:
     """Milliseconds per step over the whole sequence (synchronised at both ends)."""
-    torch.cuda.synchronize()
+    sync(hidden.device)
     start = time.perf_counter()
     for index in range(routing.shape[0]):
         step(hidden[index], routing[index])
-    torch.cuda.synchronize()
+    sync(hidden.device)
     return (time.perf_counter() - start) * 1e3 / routing.shape[0]
 
 
 def measure(name, providers, shape, hidden, routing, *, graph: bool, steps: int | None = None) -> dict:
-    stack = DecodeStack(providers, shape["hidden"], shape["experts"], dtype=torch.bfloat16, device="cuda")
+    dtype = shape.get("dtype", torch.bfloat16)
+    stack = DecodeStack(providers, shape["hidden"], shape["experts"], dtype=dtype, device=hidden.device)
     hidden, routing = hidden[:steps], routing[:steps]
     step = GraphedDecodeStep(stack, hidden[0], routing[:1]) if graph else stack.step
     run_pass(step, hidden, routing)  # warm pass
@@ -120,6 +147,7 @@ def measure(name, providers, shape, hidden, routing, *, graph: bool, steps: int 
         "tok_per_s": 1e3 * routing.shape[2] / ms,
         "hit_rate": (delta.hits - before.hits) / lookups if lookups else 1.0,
         "gb_per_token": (delta.bytes_h2d - before.bytes_h2d) / tokens / 1e9,
+        "compressed_gb_per_token": (delta.compressed_bytes_h2d - before.compressed_bytes_h2d) / tokens / 1e9,
     }
 
 
@@ -129,8 +157,11 @@ COPY_GRIDS = ((16, 4096), (32, 4096), (64, 4096), (132, 4096), (132, 8192), (264
 def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
     """Copy bursts of 1, 2, 8, 32 experts: copy kernel at several grid sizes vs the copy engine."""
     layout, cuda = store.layout, torch.device("cuda")
+    if store.formats:
+        raise ValueError("the copy-burst sweep copies raw bytes; decoding bursts: benchmarks/bench_compression.py")
     slots = layout.allocate(32, cuda, 0xFF)
-    offsets, sizes = layout.region_offsets(store.num_experts), tuple(spec.nbytes for spec in layout.specs)
+    # the store's own offsets: a store's regions are its to place (coded ones are smaller)
+    offsets, sizes = store.region_offsets, tuple(spec.nbytes for spec in layout.specs)
     segments = {block: build_segments(offsets, sizes, layout.copy_unit, block) for _, block in COPY_GRIDS}
     rows = []
     for count in (1, 2, 8, 32):
@@ -194,6 +225,91 @@ def bench_admission(store: CPUBackingStore, top_k: int, skip_flashlib: bool) -> 
     return rows
 
 
+def build_stores(full: list[dict], layout, compression: str | None, pin: bool) -> tuple[list[CPUBackingStore], float]:
+    """One store per layer (coded ones encoded where the weights are: the GPU), and seconds."""
+    from tqdm.auto import tqdm
+
+    device = full[0]["w1"].device
+    sync(device)
+    start = time.perf_counter()
+    stores = [
+        CPUBackingStore(layout, weights, pin=pin, compression=compression, progress=False)
+        for weights in tqdm(full, desc=f"{compression or 'raw'} stores", unit="layer", leave=False, disable=None)
+    ]
+    sync(device)
+    return stores, time.perf_counter() - start
+
+
+def same_slots(first, second) -> bool:
+    """Every layer's pool holds the same bytes in both provider lists."""
+    return all(
+        torch.equal(a.pool.tensors[name].view(torch.uint8), b.pool.tensors[name].view(torch.uint8))
+        for a, b in zip(first, second, strict=True)
+        for name in a.pool.tensors
+    )
+
+
+def compare_compression(args: argparse.Namespace) -> None:
+    """(a) graphed, then (d) device graph over raw and exponent-coded stores, side by side."""
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda")
+    shape = TINY if args.dry_run else SHAPES["qwen3-30b-a3b"]
+    E, H, L, dtype = (
+        shape["experts"],
+        shape["hidden"],
+        args.layers or shape["layers"],
+        shape.get("dtype", torch.bfloat16),
+    )
+    routing = torch.from_numpy(shape_routing("qwen3-30b-a3b", L))[: args.steps].to(device)[:, :, None, :]
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(routing.shape[0], 1, H, device=device, generator=gen, dtype=dtype)
+    full = [shape_weights("qwen3-30b-a3b", shape, gen) for _ in range(L)]
+    _, layout = layout_from_weights(full[0])
+    raw, raw_seconds = build_stores(full, layout, None, pin=device.type == "cuda")
+    coded, coded_seconds = build_stores(full, layout, "exponent", pin=device.type == "cuda")
+    raw_gb, coded_gb = sum(s.nbytes for s in raw) / 1e9, sum(s.nbytes for s in coded) / 1e9
+    ratio = coded[0].stored_expert_bytes / layout.expert_bytes
+    print(f"{shape['name']}: {L} layers x {E} experts, {routing.shape[0]} trace tokens; raw {raw_gb:.2f} GB "
+          f"pinned in {raw_seconds:.1f} s; coded {coded_gb:.2f} GB (record ratio {ratio:.4f}) encoded on {device} "
+          f"and pinned in {coded_seconds:.1f} s ({raw_gb / coded_seconds:.2f} GB/s of raw bytes)")  # fmt: skip
+    copy_gbps = pinned_copy_gbps(256 * 2**20) if device.type == "cuda" else float("nan")
+    graph = device.type == "cuda"  # graphs need CUDA; the dry run is eager
+    resident = [FullGPUProvider(w) for w in full]
+    rows = [{"cache": "all", "store": "-", **measure("(a) all resident" + " graph" * graph, resident, shape,
+                                                     hidden, routing, graph=graph)}]  # fmt: skip
+    base_ms = rows[0]["ms_per_step"]
+    name = "(d) device graph" if graph else "(c) device eager"
+    for fraction in args.fractions:
+        slots = round(fraction * E)
+        served = {}
+        for label, stores in (("raw", raw), ("exponent", coded)):
+            served[label] = [CachedWeightProvider(store, cache_size=slots, mode="device") for store in stores]
+            rows.append({"cache": f"{fraction:.0%}", "store": label,
+                         **measure(name, served[label], shape, hidden, routing, graph=graph)})  # fmt: skip
+        rows[-1]["slots_equal_raw"] = same_slots(served["raw"], served["exponent"])
+        rows[-1]["speedup_vs_raw"] = rows[-2]["ms_per_step"] / rows[-1]["ms_per_step"]
+        del served
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for row in rows:
+        row["bound_ms"] = base_ms + row["compressed_gb_per_token"] * 1e9 / (copy_gbps * 1e6)
+        row["ratio_to_bound"] = row["ms_per_step"] / row["bound_ms"]
+        extra_ms = row["ms_per_step"] - base_ms
+        if row["gb_per_token"] > 0 and extra_ms > 0:
+            row["eff_raw_gbps"] = row["gb_per_token"] * 1e9 / (extra_ms * 1e6)  # bs=1: one token a step
+            row["eff_vs_pinned"] = row["eff_raw_gbps"] / copy_gbps
+    columns = ["cache", "store", "variant", "ms_per_step", "tok_per_s", "hit_rate", "gb_per_token",
+               "compressed_gb_per_token", "bound_ms", "ratio_to_bound", "eff_raw_gbps", "eff_vs_pinned",
+               "speedup_vs_raw", "slots_equal_raw"]  # fmt: skip
+    print_table(rows, columns, title=f"{shape['name']} decode, bs=1, {L} layers, raw vs exponent-coded stores; "
+                                     f"bound = (a) {base_ms:.3f} ms + coded miss bytes / {copy_gbps:.1f} GB/s "
+                                     f"(raw bytes: {copy_gbps / ratio:.1f} GB/s)")  # fmt: skip
+    stamp = {"shape": shape["name"], "layers": L, "pinned_gbps": copy_gbps, "record_ratio": ratio,
+             "encode_s": coded_seconds}  # fmt: skip
+    print(f"CSV: {append_csv('bench_decode_compression', [{**stamp, **r} for r in rows])}")
+    if any(r.get("slots_equal_raw") is False for r in rows):
+        raise SystemExit("the coded stores' slots differ from the raw stores' slots")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -201,7 +317,20 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     parser.add_argument("--streaming-steps", type=int, default=8)
     parser.add_argument("--skip-flashlib", action="store_true")
+    parser.add_argument("--compression", choices=("none", "exponent"), default="none",
+                        help="exponent: raw vs exponent-coded stores side by side (Qwen3 shapes) instead")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=None, help="trace tokens to replay (default all; 3 dry)")
+    parser.add_argument("--dry-run", action="store_true", help="with --compression: CPU, tiny, interpreted")
     args = parser.parse_args()
+    if args.dry_run:
+        if args.compression == "none":
+            parser.error("--dry-run runs the --compression exponent comparison")
+        _common.RESULTS = Path(tempfile.mkdtemp(prefix="bench_decode_dry_"))
+        args.steps = args.steps or 3
+        if args.fractions == parser.get_default("fractions"):
+            args.fractions = [8 / 128, 0.25]  # 8 slots = top-k: misses in the timed pass too
+    if args.compression == "exponent":
+        return compare_compression(args)
     shape = SHAPES[args.shape]
     E, H, L = shape["experts"], shape["hidden"], args.layers or shape["layers"]
     routing = torch.from_numpy(shape_routing(args.shape, L)).cuda()[:, :, None, :]  # [N, L, 1, K]

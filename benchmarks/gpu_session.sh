@@ -2,7 +2,9 @@
 # Every GPU check and benchmark in one go, for a lent GPU machine with no registry access.
 # Usage: bash benchmarks/gpu_session.sh [STEP ...]   (steps: suite tests prepare decode decode-deepseek;
 #        default: suite prepare decode; also demo families generate: the transformers integration;
-#        apply batch prefill: the expert apply kernels, throughput against batch size, prefill)
+#        apply batch prefill: the expert apply kernels, throughput against batch size, prefill;
+#        compression decode-compressed: exponent coding (ratio, decode-copy bursts, DFloat11 beside
+#        it when its wheel, dahuffman's and cupy import) and the decode step raw vs coded)
 #   suite: the README's test command, the WHOLE suite (python3 -m pytest -q); tests: only -m gpu
 # Logs and CSVs go to $OUT (or ./gpu-out). Carried wheels in .whl/ (flashlib) are installed
 # into /tmp/site first. Each step has its own time limit, so one failure doesn't stop the rest.
@@ -37,6 +39,8 @@ for step in $steps; do
     apply) timeout 240 python3 benchmarks/bench_apply.py 2>&1 | tee "$OUT/bench_apply.log" ;;
     batch) timeout ${BATCH_TIMEOUT:-420} python3 benchmarks/bench_batch.py ${BATCH_ARGS:-} 2>&1 | tee "$OUT/bench_batch.log" ;;
     prefill) timeout ${PREFILL_TIMEOUT:-300} python3 benchmarks/bench_batch.py ${PREFILL_ARGS:---prefill 1024 4096} 2>&1 | tee "$OUT/bench_prefill.log" ;;
+    compression) timeout ${COMPRESSION_TIMEOUT:-240} python3 benchmarks/bench_compression.py ${COMPRESSION_ARGS:-} 2>&1 | tee "$OUT/bench_compression.log" ;;
+    decode-compressed) timeout ${DECODE_COMPRESSED_TIMEOUT:-240} python3 benchmarks/bench_decode.py --compression exponent ${DECODE_COMPRESSED_ARGS:-} 2>&1 | tee "$OUT/bench_decode_compressed.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

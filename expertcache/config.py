@@ -13,11 +13,16 @@ One dataclass carries what the ``--moe-*`` flags say (see `expertcache.cli.add_c
                       "cuda[:N]", stored as torch spells it ("cpu:0" becomes "cpu")
     mode              "host": admission on the host, any policy (default);
                       "device": admission on the GPU (LRU), no host sync, CUDA-graph capturable
+    compression       None (default: experts stored as they are) or "exponent": bf16/fp16
+                      experts stored losslessly exponent-coded (`expertcache.compression`,
+                      ~0.70 of the bytes for bf16; PCIe carries the coded bytes, the slots
+                      receive the exact weights); "none" is stored as None
 
-Checks that need the model (cache_size against the number of experts) happen when the cache
-is enabled; everything that can be checked without it is checked here. Whether this machine
-can run a mode (`check_mode_runs_here`) is a separate check, made by the command line
-before any model is loaded.
+Checks that need the model (cache_size against the number of experts; that the experts are
+bf16 or fp16 when compression is "exponent") happen when the cache is enabled; everything
+that can be checked without it is checked here. Whether this machine can run a mode
+(`check_mode_runs_here`) is a separate check, made by the command line before any model
+is loaded.
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ from fractions import Fraction
 
 import torch
 
+from expertcache.compression import COMPRESSIONS
 from expertcache.policies import POLICIES
+
+#: Values of ``compression`` (and ``--moe-expert-cache-compression``); "none" means None.
+COMPRESSION_CHOICES = ("none", *COMPRESSIONS)
 
 #: The two ways to split the slots among layers.
 BUDGETS = ("per-layer", "global")
@@ -80,6 +89,7 @@ class ExpertCacheConfig:
     pin_budget_bytes: int | None = None
     device: str | None = None
     mode: str = "host"
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         _check_count("cache_size", self.cache_size, "slots per MoE layer")
@@ -95,6 +105,9 @@ class ExpertCacheConfig:
             raise ValueError(f"pin_budget_bytes must be a non-negative int or None, got {pin!r}")
         if self.device is not None:
             object.__setattr__(self, "device", _device_name(self.device))
+        if self.compression is not None:
+            _check_choice("compression", self.compression, COMPRESSION_CHOICES)
+            object.__setattr__(self, "compression", None if self.compression == "none" else self.compression)
 
 
 def _check_count(name: str, value: object, what: str) -> None:

@@ -9,7 +9,8 @@ and are read outside CUDA graphs, and ``prepare`` pays nothing for metrics.
 Exposed per layer (label ``layer``)::
 
     expertcache_hits_total, expertcache_misses_total, expertcache_evictions_total,
-    expertcache_bytes_copied_total, expertcache_prepare_calls_total
+    expertcache_bytes_copied_total, expertcache_compressed_bytes_copied_total,
+    expertcache_prepare_calls_total
     expertcache_prepare_seconds (histogram; only for providers wrapped in TimedProvider)
 
 Usage::
@@ -53,6 +54,12 @@ _COUNTERS = (
     ("misses", "misses", "Distinct experts of a call copied in, summed over calls."),
     ("evictions", "evictions", "Resident experts dropped to make room."),
     ("bytes_copied", "bytes_h2d", "Bytes copied from the host store into GPU slots."),
+    (
+        "compressed_bytes_copied",
+        "compressed_bytes_h2d",
+        "Bytes those copies read from the host store as stored: the coded bytes of a compressed store "
+        "(compression='exponent'), bytes_copied otherwise.",
+    ),
     ("prepare_calls", "calls", "prepare() calls that completed."),
 )
 

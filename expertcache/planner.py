@@ -4,8 +4,9 @@ For each pool kind (a pool per layer, or one global pool for all layers) and eac
 size, every policy replays the trace through the runtime's own admission
 (`expertcache.sim`); Belady's MIN gives the bound at that size and an unbounded cache the
 bound at any size. Costs follow from the misses: every miss copies one expert record
-(``expert_bytes``) host -> GPU, so a copy bandwidth turns bytes per token into a ceiling
-on tokens per second (copies alone, compute free).
+(``expert_bytes``; ``copy_bytes`` when the store is compressed: a slot still holds the raw
+bytes, PCIe carries the coded ones) host -> GPU, so a copy bandwidth turns bytes per token
+into a ceiling on tokens per second (copies alone, compute free).
 
 Per-token figures are over the layers the trace records, scaled to ``model_layers`` when
 the model has more (the traced layers are then assumed representative).
@@ -38,7 +39,7 @@ class PlanRow:
         hits, misses: distinct-expert lookups over the whole trace.
         hit_rate: hits / (hits + misses).
         misses_per_token: misses per token, over ``model_layers`` layers.
-        gb_per_token: GB (1e9 bytes) copied host -> GPU per token.
+        gb_per_token: GB (1e9 bytes) copied host -> GPU per token (``copy_bytes`` a miss).
         tokens_per_second: ``bandwidth / bytes per token`` (None without a bandwidth).
         split_calls: calls with more distinct experts than ``slots`` (run in expert-group passes).
     """
@@ -120,12 +121,14 @@ def plan(
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
     min_gain: float = 0.005,
     progress: Callable[[int], Callable[[], None]] | None = None,
+    copy_bytes: int | None = None,
 ) -> Plan:
     """Score ``policies`` (plus Belady and unbounded) at several sizes on ``trace``.
 
     Args:
         trace: the routing trace (``expert_ids`` ``[N, L, K]``).
-        expert_bytes: bytes one expert's record takes in a slot and per copy.
+        expert_bytes: bytes one expert's record takes in a slot (and per copy, unless
+            ``copy_bytes`` says otherwise).
         gpu_budget_bytes: GPU bytes for the expert cache.
         bandwidth_bytes_per_second: host -> GPU copy bandwidth for the tok/s ceiling.
         model_layers: MoE layers of the model (default: the trace's).
@@ -133,6 +136,8 @@ def plan(
         fractions: per-layer sizes to score, as fractions of a layer's experts.
         min_gain: hit-rate margin a policy needs over LRU to be recommended.
         progress: ``progress(total) -> tick`` to report each finished replay.
+        copy_bytes: bytes one miss reads from the host when they differ from
+            ``expert_bytes``: a compressed store's record (``Manifest.compressed_expert_bytes``).
 
     Raises:
         TypeError / ValueError: any argument of the wrong type or out of range (an empty
@@ -141,6 +146,8 @@ def plan(
     """
     policies = check_policies(policies)
     _check_arguments(trace, expert_bytes, gpu_budget_bytes, bandwidth_bytes_per_second, model_layers)
+    if copy_bytes is not None:
+        _check_int("copy_bytes", copy_bytes, minimum=1)
     fractions = _check_fractions(fractions)
     if not (isinstance(min_gain, (int, float)) and math.isfinite(min_gain) and min_gain >= 0):
         raise ValueError(f"min_gain must be a non-negative number, got {min_gain!r}")
@@ -149,7 +156,8 @@ def plan(
     budget_slots = gpu_budget_bytes // expert_bytes
     layer_budget = min(experts, budget_slots // layers)
     sizes = layer_sizes(experts, fractions, [layer_budget] if layer_budget >= 1 else [])
-    cost = _Cost(trace.num_tokens, layers / trace.num_layers, expert_bytes, bandwidth_bytes_per_second)
+    per_miss = expert_bytes if copy_bytes is None else copy_bytes
+    cost = _Cost(trace.num_tokens, layers / trace.num_layers, per_miss, bandwidth_bytes_per_second)
     names = (*policies, "belady")
     tick = progress(2 * len(sizes) * len(names)) if progress else (lambda: None)
     rows: list[PlanRow] = []
@@ -251,7 +259,7 @@ def _score(
 class _Cost:
     tokens: int
     layer_scale: float
-    expert_bytes: int
+    copy_bytes: int  # bytes one miss moves host -> GPU
     bandwidth: float | None
 
     def row(
@@ -263,7 +271,7 @@ class _Cost:
         result: ReplayResult,
     ) -> PlanRow:
         misses = result.misses * self.layer_scale / max(self.tokens, 1)
-        bytes_per_token = misses * self.expert_bytes
+        bytes_per_token = misses * self.copy_bytes
         ceiling = None
         if self.bandwidth:
             ceiling = self.bandwidth / bytes_per_token if bytes_per_token else float("inf")

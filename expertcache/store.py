@@ -19,6 +19,7 @@ the work queued so far, so a copy still reading the store never reads freed memo
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 
@@ -29,8 +30,8 @@ from expertcache.compression import decode_records_torch as decode_records
 from expertcache.errors import PinBudgetError
 from expertcache.layout import ExpertLayout
 
-#: Tensors of more bytes than this show a progress bar while they are encoded.
-_PROGRESS_BYTES = 1 << 30
+#: Stores coding more bytes than this show progress bars while they are encoded.
+_PROGRESS_BYTES = 1 << 28
 
 _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_MAPPED = 2
@@ -76,6 +77,12 @@ class CPUBackingStore:
             it (checked on CPU-only machines too, where the store is plain memory).
         compression: ``None`` (raw bytes) or ``"exponent"`` (lossless exponent coding of the
             bf16/fp16 names; ``w1`` and ``w2`` must be bf16 or fp16).
+        encode_device: where the coding passes run (`encoding_device`; default: the
+            experts' GPU, else the current GPU when there is one, else the CPU). CPU
+            experts move to the GPU a step (~16 M values) at a time; only the coded bytes
+            come back, into the (already pinned) buffer. Every device writes the same bytes.
+        progress: show a tqdm bar per coded name and pass (None: when the coded names
+            exceed 256 MiB; the bar itself shows only on a terminal).
 
     Attributes:
         buffer: ``[buffer_bytes]`` uint8, the one allocation (pinned when ``pinned``).
@@ -95,10 +102,13 @@ class CPUBackingStore:
         pin: bool,
         pin_budget_bytes: int | None = None,
         compression: str | None = None,
+        encode_device: torch.device | str | None = None,
+        progress: bool | None = None,
     ) -> None:
         check_compression(compression, layout)
         num_experts = int(weights["w1"].shape[0])
-        analyses = _analyse(layout, weights) if compression else {}
+        coder = _Coder(layout, weights, encode_device, progress) if compression else None
+        analyses = coder.analyse() if coder else {}
         self.formats: dict[str, RecordFormat] = {name: analysis.format for name, analysis in analyses.items()}
         sizes = tuple(self.formats[s.name].record_bytes if s.name in self.formats else s.nbytes for s in layout.specs)
         nbytes = layout.buffer_bytes(num_experts, sizes)
@@ -117,24 +127,23 @@ class CPUBackingStore:
         # caller's tensors, parameters included, are copied, never referenced)
         with torch.inference_mode(False), torch.no_grad():
             self.buffer = torch.zeros(nbytes, dtype=torch.uint8)  # padding bytes deterministic
+            self.pinned = False
+            if pin:  # before filling: device -> host copies of records or GPU weights run at pinned speed
+                _flush_released()
+                _register(self.buffer)
+                self.pinned = True
+                weakref.finalize(self, _release, self.buffer)  # also when filling fails below
             self.records: dict[str, torch.Tensor] = {}
             raw: dict[str, torch.Tensor] = {}
             for spec, offset, size in zip(layout.specs, self.region_offsets, sizes, strict=True):
                 region = self.buffer[offset : offset + num_experts * size]
                 if spec.name in analyses:
                     self.records[spec.name] = region.view(num_experts, size)
-                    label = f"encoding {spec.name}" if num_experts * spec.nbytes > _PROGRESS_BYTES else None
-                    write_records(weights[spec.name], analyses[spec.name], self.records[spec.name], progress=label)
+                    coder.write(spec.name, analyses[spec.name], self.records[spec.name])  # type: ignore[union-attr]
                 else:
                     raw[spec.name] = region.view(spec.dtype).view(num_experts, *spec.shape)
                     raw[spec.name].copy_(weights[spec.name].detach())
             self.tensors: Mapping[str, torch.Tensor] = _StoredTensors(self, raw) if self.records else raw
-        self.pinned = False
-        if pin:
-            _flush_released()
-            _register(self.buffer)
-            self.pinned = True
-            weakref.finalize(self, _release, self.buffer)
 
     @property
     def nbytes(self) -> int:
@@ -190,13 +199,58 @@ def check_compression(compression: object, layout: ExpertLayout) -> None:
         )
 
 
-def _analyse(layout: ExpertLayout, weights: Mapping[str, torch.Tensor]) -> dict:
-    """The first coding pass of every bf16/fp16 name whose records are smaller than its bytes."""
-    out = {}
-    for spec in layout.specs:
-        if spec.dtype in FLOAT16_FIELDS:
-            label = f"analysing {spec.name}" if weights[spec.name].nbytes > _PROGRESS_BYTES else None
-            analysis = analyse(weights[spec.name], ExponentCode(spec.dtype), progress=label)
-            if analysis.format.pays():
-                out[spec.name] = analysis
-    return out
+def encoding_device(weights: Mapping[str, torch.Tensor], requested: torch.device | str | None = None) -> torch.device:
+    """Where a store codes ``weights``: ``requested``; else the GPU ``w1`` is on; else the
+    current GPU when this machine has one (the passes are vectorised torch: ~7 M values/s
+    on a CPU core pair, a Qwen3-30B-A3B store's 7 G values would take over an hour); else
+    the CPU."""
+    if requested is not None:
+        return torch.device(requested)
+    if weights["w1"].is_cuda:
+        return weights["w1"].device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Coder:
+    """Runs the two coding passes of a store's bf16/fp16 names on one device, with bars."""
+
+    def __init__(self, layout: ExpertLayout, weights: Mapping[str, torch.Tensor], device, progress) -> None:
+        self.layout, self.weights = layout, weights
+        self.device = encoding_device(weights, device)
+        coded = sum(weights[s.name].nbytes for s in layout.specs if s.dtype in FLOAT16_FIELDS)
+        self.progress = coded > _PROGRESS_BYTES if progress is None else bool(progress)
+
+    def _label(self, what: str, name: str) -> str | None:
+        return f"{what} {name} on {self.device}" if self.progress else None
+
+    def _run(self, work):
+        """``work()``, redone on the CPU if the GPU runs out of memory (a full GPU is what
+        the cache is for); the bytes are the same either way."""
+        try:
+            return work()
+        except torch.cuda.OutOfMemoryError:
+            if self.device.type == "cpu":
+                raise
+            warnings.warn(f"out of memory coding the experts on {self.device}; coding on the CPU (slow)", stacklevel=3)
+            self.device = torch.device("cpu")
+            torch.cuda.empty_cache()
+            return work()
+
+    def analyse(self) -> dict:
+        """The first pass of every bf16/fp16 name whose records are smaller than its bytes."""
+        out = {}
+        for spec in self.layout.specs:
+            if spec.dtype in FLOAT16_FIELDS:
+                tensor, code = self.weights[spec.name], ExponentCode(spec.dtype)
+                label = self._label("analysing", spec.name)
+                analysis = self._run(lambda: analyse(tensor, code, progress=label, device=self.device))  # noqa: B023
+                if analysis.format.pays():
+                    out[spec.name] = analysis
+        return out
+
+    def write(self, name: str, analysis, out: torch.Tensor) -> None:
+        """The second pass of ``name`` into its records ``out`` (host memory)."""
+        label = self._label("encoding", name)
+        self._run(lambda: write_records(self.weights[name], analysis, out, progress=label, device=self.device))

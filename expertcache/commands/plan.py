@@ -2,9 +2,17 @@
 
     expertcache plan --trace FILE (--expert-bytes B | --manifest FILE) --gpu-budget GB
                      [--bandwidth GBps] [--layers N] [--plot FILE.png] [--csv FILE]
+                     [--compression exponent [--compression-ratio R]]
 
 ``--trace`` takes a RoutingTrace ``.npz``, any ``shared/traces`` file or folder (see
 `expertcache.trace.load_trace`). GB here are 1e9 bytes.
+
+``--compression exponent`` costs each miss at the coded bytes of an exponent-coded store
+(``--moe-expert-cache-compression exponent``); the slots, and so the cache size a budget
+buys, stay raw. The bytes per miss come from, in this order: ``--compression-ratio R``
+(R x expert bytes); the manifest's ``compressed_expert_bytes`` when it was written from an
+exponent-coded cache (measured on the model's own experts: the figure to trust); else
+`DEFAULT_EXPONENT_RATIO` x expert bytes, stated in the output.
 """
 
 from __future__ import annotations
@@ -12,15 +20,23 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from expertcache.commands.arguments import MAX_COUNT, output_file, positive_number, whole_number
+from expertcache.config import COMPRESSION_CHOICES
 from expertcache.planner import RUNTIME_POLICIES, Plan, PlanRow, check_policies
 
 #: The largest --gpu-budget (GB) and --bandwidth (GB/s) taken: an exabyte, an exabyte a second.
 MAX_GIGABYTES = 1e9
+
+#: Coded / raw bytes of an exponent-coded bf16 expert when nothing better is known: the top
+#: of what ``benchmarks/compression_ratio.py`` and ``bench_compression.py`` measure on
+#: normal-initialised bf16 weights and the random families' experts (0.70-0.71). Trained
+#: weights, and fp16 (~0.9: its exponent is 5 bits), differ: measure with a manifest.
+DEFAULT_EXPONENT_RATIO = 0.71
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,6 +61,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--plot", type=output_file(".png"), help="write hit rate vs cache size to this PNG")
     parser.add_argument("--csv", type=output_file(), help="write every scored row to this CSV")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--compression",
+        choices=COMPRESSION_CHOICES,
+        default="none",
+        help="exponent: cost each miss at an exponent-coded store's bytes (the manifest's measured "
+        f"figure, --compression-ratio, else {DEFAULT_EXPONENT_RATIO} x expert bytes) (default: none)",
+    )
+    parser.add_argument(
+        "--compression-ratio",
+        type=positive_number(1.0),
+        help="coded / raw bytes of one expert, in (0, 1]; with --compression exponent",
+    )
     parser.set_defaults(func=run)
 
 
@@ -59,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.planner import plan
     from expertcache.trace import load_trace
 
+    if args.compression_ratio is not None and args.compression != "exponent":
+        raise ValueError("--compression-ratio applies with --compression exponent")
     manifest = read_manifest_sizes(args.manifest) if args.manifest else None
+    coded = read_manifest_copy_bytes(args.manifest) if args.manifest else None
     trace = load_trace(args.trace, num_experts=args.num_experts)
     if trace.num_records == 0:
         raise ValueError(
@@ -73,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
         if per_layer != trace.num_experts:
             note = f"the manifest has {per_layer} experts per layer, the trace {trace.num_experts}"
             print(f"note: {note}")
+    copy_bytes, copy_source = bytes_per_miss(args.compression, args.compression_ratio, expert_bytes, coded)
+    if coded is not None and args.compression != "exponent":
+        print(f"note: the manifest's store is exponent-coded ({coded:,} bytes a miss); "
+              "add --compression exponent to cost misses at them")  # fmt: skip
     policies = list(args.policies)
     result = plan(
         trace,
@@ -82,8 +117,11 @@ def run(args: argparse.Namespace) -> int:
         model_layers=args.layers,
         policies=policies,
         progress=None if args.no_progress else _progress_bar,
+        copy_bytes=copy_bytes,
     )
     print(_describe(trace, expert_bytes, args))
+    if copy_source:
+        print(f"bytes per miss {copy_bytes:,} ({copy_bytes / expert_bytes:.3f} of the expert bytes, {copy_source})")
     print(format_table(result, policies))
     print(recommendation(result, trace.num_experts, args.layers or trace.num_layers))
     if args.csv:
@@ -115,6 +153,38 @@ def read_manifest_sizes(path: str | Path) -> tuple[int, int]:
             f"--manifest {path}: {manifest.experts} experts do not split evenly over {manifest.layers} layers"
         )
     return manifest.expert_bytes, manifest.experts // manifest.layers
+
+
+def read_manifest_copy_bytes(path: str | Path) -> int | None:
+    """The bytes one miss reads from an exponent-coded store the manifest describes (its
+    ``compressed_expert_bytes``); None when the manifest's store is raw."""
+    from expertcache.manifest import Manifest
+
+    manifest = Manifest.read(path)  # read_manifest_sizes has already checked it
+    if manifest.compression != "exponent" or manifest.compressed_expert_bytes is None:
+        return None
+    return manifest.compressed_expert_bytes
+
+
+def bytes_per_miss(compression: str, ratio: float | None, expert_bytes: int, measured: int | None) -> tuple[int, str]:
+    """``(bytes one miss moves host -> GPU, where the figure comes from)``; ``""`` when raw.
+
+    Args:
+        compression: ``"none"`` or ``"exponent"``.
+        ratio: ``--compression-ratio`` (None: not given).
+        expert_bytes: raw bytes of one expert (what a slot holds).
+        measured: an exponent-coded manifest's ``compressed_expert_bytes`` (None: none).
+    """
+    if compression != "exponent":
+        return expert_bytes, ""
+    if ratio is not None:
+        return math.ceil(expert_bytes * ratio), f"exponent-coded, --compression-ratio {ratio:g}"
+    if measured is not None:
+        return measured, "exponent-coded, measured on the model's experts (manifest)"
+    return (
+        math.ceil(expert_bytes * DEFAULT_EXPONENT_RATIO),
+        f"exponent-coded, default ratio {DEFAULT_EXPONENT_RATIO} of normal bf16 weights; a manifest measures yours",
+    )
 
 
 def _progress_bar(total: int) -> Callable[[], None]:
