@@ -90,11 +90,3 @@ def test_the_encoding_device_follows_the_experts():
     assert encoding_device(weights, torch.device("cuda", 1)) == torch.device("cuda", 1)
     expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     assert encoding_device(weights) == expected
-
-
-def test_the_decode_launcher_and_its_reference_are_exported():
-    import expertcache.kernels as kernels
-    from expertcache.kernels.decode_copy import decode_copy, decode_copy_torch
-
-    assert kernels.decode_copy is decode_copy and kernels.decode_copy_torch is decode_copy_torch
-    assert {"decode_copy", "decode_copy_torch", "moe_apply_quant"} <= set(kernels.__all__)  # theirs kept
