@@ -5,6 +5,7 @@
 #        apply batch prefill: the expert apply kernels, throughput against batch size, prefill;
 #        compression decode-compressed: exponent coding (ratio, decode-copy bursts, DFloat11 beside
 #        it when its wheel, dahuffman's and cupy import) and the decode step raw vs coded)
+#   graphed: GraphedGenerator's tests (graphs on the GPU); quant: bench_quant.py
 #   suite: the README's test command, the WHOLE suite (python3 -m pytest -q); tests: only -m gpu
 # Logs and CSVs go to $OUT (or ./gpu-out). Carried wheels in .whl/ (flashlib) are installed
 # into /tmp/site first. Each step has its own time limit, so one failure doesn't stop the rest.
@@ -29,6 +30,8 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     suite) timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/suite.log" | tail -40 ;;
+    graphed) timeout ${GRAPHED_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rfE tests/test_graphed_generator.py 2>&1 | tee "$OUT/graphed_tests.log" | tail -30 ;;
+    quant) timeout ${QUANT_TIMEOUT:-300} python3 benchmarks/bench_quant.py ${QUANT_ARGS:-} 2>&1 | tee "$OUT/bench_quant.log" ;;
     tests) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=6 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     prepare) timeout 180 python3 benchmarks/bench_prepare.py --calls 100 2>&1 | tee "$OUT/bench_prepare.log" ;;
     decode) timeout 400 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" ;;
