@@ -127,6 +127,10 @@ class GraphedGenerator:
             static_cache(model, max_length)  # refuses a sliding window now (tensors come lazily)
         self.warmup_steps = warmup_steps
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # transformers' eager attention builds its additive mask with a host scalar copied to
+        # the GPU (5.17), which a capture refuses: the step hands it the finished 4D mask
+        self._additive_mask = getattr(model.config, "_attn_implementation", None) == "eager"
+        self._mask_dtype = model.get_input_embeddings().weight.dtype
         self._states: dict[int, _Bucket] = {}
         self.replays = 0
 
@@ -258,11 +262,24 @@ class GraphedGenerator:
         state.position_ids.copy_(positions[:, -1:])
         return out.logits[:, -1]
 
+    def _step_mask(self, state: _Bucket) -> torch.Tensor:
+        """The decode step's attention mask: the ``[b, max_length]`` padding mask, or for eager
+        attention the ``[b, 1, 1, max_length]`` additive mask transformers would build from it
+        (0 where a row may attend: not padding and at most the cache's length; else the
+        dtype's minimum), from device tensors only, so the graph recomputes it each replay."""
+        length = state.cache.get_seq_length()
+        if not self._additive_mask or not isinstance(length, torch.Tensor):
+            return state.attention_mask
+        positions = torch.arange(self.max_length, device=self.device)
+        keep = state.attention_mask.bool() & (positions <= length.to(self.device))
+        blocked = torch.full_like(keep, torch.finfo(self._mask_dtype).min, dtype=self._mask_dtype)
+        return torch.where(keep, torch.zeros_like(blocked), blocked)[:, None, None, :]
+
     def _forward(self, state: _Bucket) -> torch.Tensor:
         kwargs = {self._cache_kwarg: state.cache}
         out = self.model(
             input_ids=state.input_ids,
-            attention_mask=state.attention_mask,
+            attention_mask=self._step_mask(state),
             position_ids=state.position_ids,
             use_cache=True,
             **kwargs,
