@@ -141,7 +141,9 @@ def test_the_no_sync_branch_compacts_to_a_fixed_size(monkeypatch, fake_compiling
     _close(logits_of(model, tokens), reference)
     fake_compiling["on"] = False
     # min(E = 8, T*K = 24, S = 12) = 8 slots whatever the routing: a shape a graph can keep
-    assert calls and {width for _, _, width in calls} == {THREE.num_experts + 1}
+    # (eager's one_hot takes N + 1 classes on transformers 5.24, N on 5.17)
+    widths = {width for _, _, width in calls}
+    assert calls and widths in ({THREE.num_experts + 1}, {THREE.num_experts})
     handle.disable()
 
 

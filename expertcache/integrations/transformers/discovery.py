@@ -8,6 +8,10 @@ decorated with ``@use_experts_implementation``::
     gate_up_proj_bias  [E, 2I]     optional (has_bias, GPT-OSS)
     down_proj_bias     [E, H]      optional
 
+Quantized blocks qualify the same way, their packed tensors being per-expert parameters like
+any other: transformers' ``FP8Experts`` (``gate_up_proj`` float8 ``[E, 2I, H]`` beside
+``gate_up_proj_scale_inv``, ...) and `quantized.Mxfp4Experts` (uint8 blocks and e8m0 scales).
+
 Any module with those parameters is a block the cache can serve, whatever the model; shared
 experts (plain MLPs) and routers do not match and stay where they are. A module that looks
 like experts (named ``experts``, or a class named ``*Experts``) but cannot be served makes the
@@ -123,7 +127,18 @@ def _looks_like_experts(name: str, module: nn.Module, parameters: dict) -> bool:
     return stacked or named
 
 
+#: What to do with transformers' MXFP4 GPT-OSS experts, which the cache cannot serve as they are.
+MXFP4_HINT = (
+    "is transformers' MXFP4 GPT-OSS experts module, which runs only through the hub's "
+    "gpt-oss-triton-kernels on swizzled tensors and not through an experts registry: load with "
+    "Mxfp4Config(dequantize=True) and call expertcache.integrations.transformers.quantized."
+    "load_mxfp4_experts(model, checkpoint) to serve the packed MXFP4 tensors"
+)
+
+
 def _unsupported_reason(module: nn.Module, parameters: dict[str, torch.Tensor]) -> str | None:
+    if type(module).__name__ == "Mxfp4GptOssExperts":
+        return MXFP4_HINT
     gate_up, down = parameters.get("gate_up_proj"), parameters.get("down_proj")
     if "up_proj" in parameters and gate_up is None:
         return "has experts without a gate (up_proj only), which the cache does not describe"

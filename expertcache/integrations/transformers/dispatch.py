@@ -128,8 +128,21 @@ def resolve(module: nn.Module, name: str) -> ExpertsFunction:
     from expertcache.integrations.transformers.discovery import experts_interface_of
 
     interface = experts_interface_of(module) or ALL_EXPERTS_FUNCTIONS
-    original_forward = getattr(type(module).forward, "__wrapped__")  # noqa: B009 - set by the decorator
-    return interface.get_interface(str(name), original_forward)
+    return interface.get_interface(str(name), original_forward(module))
+
+
+def original_forward(module: nn.Module) -> ExpertsFunction:
+    """The class's own forward under ``@use_experts_implementation`` (its ``"eager"``).
+
+    transformers applies the decorator again each time it builds a quantized experts class
+    (``replace_with_fp8_linear`` wraps ``FP8Experts`` once per expert block), so the wrappers
+    nest: unwrap every one of them, or ``"eager"`` would dispatch on the config again.
+    """
+    dispatcher = type(module).forward
+    forward = getattr(dispatcher, "__wrapped__")  # noqa: B009 - set by the decorator
+    while getattr(forward, "__code__", None) is dispatcher.__code__:
+        forward = forward.__wrapped__
+    return forward
 
 
 def chosen_implementation(selection: Selection) -> str:
@@ -323,8 +336,31 @@ def compact_slots(ids: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Ten
     return table, local.view(ids.shape)
 
 
-def register() -> None:
-    """Add the cache to transformers' experts registry (idempotent)."""
+def register(interface: object | None = None) -> bool:
+    """Add the cache to transformers' experts registries (idempotent).
+
+    Always to ``ALL_EXPERTS_FUNCTIONS`` and, where this transformers has it, the FP8
+    registry ``ALL_FP8_EXPERTS_FUNCTIONS`` that ``FP8Experts`` dispatches through (5.17 and
+    5.24); with ``interface``, also to that registry (any ``ExpertsInterface`` a decorated
+    class was given, e.g. `quantized.MXFP4_EXPERTS_FUNCTIONS`).
+
+    Returns:
+        Whether the cache is registered in ``interface`` (True without one).
+    """
     from transformers.integrations.moe import ExpertsInterface
 
+    from expertcache.integrations.transformers import quantized
+
     ExpertsInterface.register(IMPLEMENTATION_NAME, expertcache_experts_forward)
+    quantized.register()
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # a transformers without FP8 experts
+        pass
+    else:
+        FP8ExpertsInterface.register(IMPLEMENTATION_NAME, expertcache_experts_forward)
+    if interface is None:
+        return True
+    if isinstance(interface, ExpertsInterface) and IMPLEMENTATION_NAME not in interface:
+        type(interface).register(IMPLEMENTATION_NAME, expertcache_experts_forward)
+    return IMPLEMENTATION_NAME in interface  # type: ignore[operator]

@@ -318,9 +318,8 @@ def _check_not_meta(model: nn.Module, blocks: list[ExpertBlock]) -> None:
 def _previous_implementation(model: nn.Module, block: ExpertBlock) -> tuple[str, dispatch.ExpertsFunction]:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    dispatch.register()
     interface = experts_interface_of(block.module) or ALL_EXPERTS_FUNCTIONS
-    if dispatch.IMPLEMENTATION_NAME not in interface:
+    if not dispatch.register(interface):
         reason = "dispatches through an experts registry that the cache is not registered in"
         raise UnsupportedModelError(model_family(model), [(block.name, type(block.module).__name__, reason)])
     previous = str(getattr(block.module, "config")._experts_implementation or "eager")  # noqa: B009

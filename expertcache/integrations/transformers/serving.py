@@ -85,9 +85,14 @@ def shared_pool(blocks, layouts, config: ExpertCacheConfig, target: torch.device
 def _provider(block, config: ExpertCacheConfig, target, pool) -> CachedWeightProvider:
     if pool is None:
         return CachedWeightProvider(
-            _weights(block), cache_size=config.cache_size, device=target, policy=config.policy, mode=config.mode
+            _weights(block),
+            cache_size=config.cache_size,
+            device=target,
+            policy=config.policy,
+            mode=config.mode,
+            compression=config.compression,
         )
-    return CachedWeightProvider(_weights(block), pool=pool, layer=block.name)
+    return CachedWeightProvider(_weights(block), pool=pool, layer=block.name, compression=config.compression)
 
 
 def _take_weights(item: ServedBlock) -> None:

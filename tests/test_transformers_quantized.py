@@ -1,0 +1,371 @@
+"""Quantized checkpoints served packed: FP8 Qwen3-MoE / DeepSeek-V3 and MXFP4 GPT-OSS.
+
+Nothing is downloaded. FP8: transformers' ``from_pretrained`` cannot load an FP8 checkpoint
+packed on a CPU (its quantizer dequantizes without a GPU, and needs ``accelerate``), so the
+FP8 blocks are built as transformers builds them (``replace_with_fp8_linear``) and filled
+with random weights quantized to the checkpoint format; transformers' own load-time
+dequantization (``Fp8Dequantize``) gives the float model they must match. transformers' FP8
+experts functions call the hub's finegrained-fp8 kernel, which is replaced here by a
+dequantizing stand-in so that transformers' own code runs on the slots. MXFP4: a GPT-OSS
+checkpoint is written to a folder and loaded with ``Mxfp4Config(dequantize=True)``
+(transformers' dequantization: the reference) and once more with `load_mxfp4_experts`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import HAS_CUDA
+from torch import nn
+from transformers_helpers import NEW_TOKENS, logits_of, prompt
+
+from expertcache.integrations.transformers import UnsupportedModelError, enable_expert_cache
+from expertcache.integrations.transformers.generation import greedy_generate
+from expertcache.integrations.transformers.quantized import (
+    DEQUANT_IMPLEMENTATION,
+    QUANT_IMPLEMENTATION,
+    Mxfp4Experts,
+    load_mxfp4_experts,
+)
+from expertcache.integrations.transformers.random_models import ModelSizes, random_model
+from expertcache.manifest import build_manifest
+from expertcache.quant_fp8 import quantize_fp8_blocks
+from expertcache.quant_mxfp4 import quantize_mxfp4
+
+finegrained_fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+
+# 2 MoE layers, 8 experts, top-2; H and I whole FP8 blocks of 16 and MXFP4 groups of 32
+SIZES = ModelSizes(hidden=64, intermediate=32)
+CACHE_SIZE = 4
+BLOCK = (16, 16)
+FP8_FAMILIES = ("qwen3_moe", "deepseek_v3")
+TOLERANCE = 1e-5  # of the largest |logit|, fp32 on the CPU
+
+
+def _experts(model) -> dict[str, nn.Module]:
+    return {name: module for name, module in model.named_modules() if name.endswith("mlp.experts")}
+
+
+def _fp8_quantize(weight: torch.Tensor, block, gate_up: bool):
+    if block is not None:
+        return quantize_fp8_blocks(weight, block)
+    rows, cols = weight.shape[-2:]  # per tensor: transformers keeps gate and up halves apart
+    return quantize_fp8_blocks(weight, (rows // 2, cols) if gate_up else (rows, cols))
+
+
+def fp8_models(family: str, block=BLOCK, *, device: str = "cpu", dtype=torch.float32):
+    """``(packed, dequantized)``: the model with transformers' ``FP8Experts`` holding
+    random e4m3 weights and scales, and the same model with transformers' dequantization of
+    them as plain float experts."""
+    from transformers import FineGrainedFP8Config
+
+    packed = random_model(family, SIZES, dtype=dtype)
+    dequantized = random_model(family, SIZES, dtype=dtype)
+    floats = {
+        name: (m.gate_up_proj.detach().float(), m.down_proj.detach().float()) for name, m in _experts(packed).items()
+    }
+    config = FineGrainedFP8Config(weight_block_size=block)
+    # only the experts become FP8 (FP8Linear would need the hub kernel too)
+    finegrained_fp8.replace_with_fp8_linear(packed, modules_to_not_convert=[r"(?!.*\.experts$).*"],
+                                            quantization_config=config, pre_quantized=True)  # fmt: skip
+    reference = finegrained_fp8.Fp8Dequantize(None)
+    for name, module in _experts(packed).items():
+        assert isinstance(module, finegrained_fp8.FP8Experts)
+        for proj, weight in zip(("gate_up_proj", "down_proj"), floats[name], strict=True):
+            values, scales = _fp8_quantize(weight, block, proj == "gate_up_proj")
+            setattr(module, proj, nn.Parameter(values, requires_grad=False))
+            setattr(module, f"{proj}_scale_inv", nn.Parameter(scales, requires_grad=False))
+            target = dequantized.get_submodule(name).get_parameter(proj)
+            target.data = reference._dequantize_one(values, scales, output_dtype=dtype)
+    return packed.to(device), dequantized.to(device)
+
+
+def _dequantized(weight, scale, block_size=None):
+    return finegrained_fp8.Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=torch.float32)
+
+
+def _matmul(x, weight, scale, block_size=None, output_dtype=None, activation_scale=None):
+    return (x.float() @ _dequantized(weight, scale).T).to(output_dtype or x.dtype)
+
+
+def _batched_matmul(x, weight, scale, block_size=None, expert_ids=None):
+    w = _dequantized(weight, scale)[expert_ids]  # [S, N, K]
+    return torch.bmm(w, x.float()[:, :, None])[:, :, 0].to(x.dtype)
+
+
+def _grouped_matmul(x, weight, scale, offsets=None, tokens_per_expert=None, block_size=None):
+    w = _dequantized(weight, scale)
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        out[start:end] = (x[start:end].float() @ w[expert].T).to(x.dtype)
+        start = end
+    return out
+
+
+@pytest.fixture
+def fp8_kernel_stand_in(monkeypatch):
+    """transformers' FP8 functions with a dequantizing stand-in for the hub kernel."""
+    stand_in = finegrained_fp8.FineGrainedFP8(matmul=_matmul, batched_matmul=_batched_matmul,
+                                              grouped_matmul=_grouped_matmul)  # fmt: skip
+    monkeypatch.setattr(finegrained_fp8, "_FINEGRAINED_FP8", stand_in)
+    monkeypatch.setenv("TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR", "1")
+
+
+def _with_and_without(model, implementation, **cache):
+    model.set_experts_implementation(implementation)
+    tokens = prompt(device=model.device.type)
+    reference = greedy_generate(model, tokens, NEW_TOKENS)
+    reference_logits = logits_of(model, reference.tokens)
+    handle = enable_expert_cache(model, cache_size=CACHE_SIZE, **cache)
+    cached = greedy_generate(model, tokens, NEW_TOKENS)
+    cached_logits = logits_of(model, reference.tokens)
+    return handle, reference, reference_logits, cached, cached_logits
+
+
+def _assert_same(reference, reference_logits, cached, cached_logits, tolerance=TOLERANCE):
+    assert torch.equal(cached.tokens, reference.tokens)
+    scale = reference_logits.abs().max().item()
+    torch.testing.assert_close(cached_logits, reference_logits, rtol=0, atol=tolerance * scale)
+
+
+def _packed_bytes(model) -> int:
+    return sum(p.nbytes for m in _experts(model).values() for p in m.parameters())
+
+
+# transformers' functions run with the stand-in kernel; per-tensor scales on fewer of them
+FP8_CASES = [
+    *(pytest.param(family, BLOCK, implementation, id=f"{family}-block16-{implementation}")
+      for family in FP8_FAMILIES
+      for implementation in (
+          DEQUANT_IMPLEMENTATION,  # ours, pure torch
+          "eager",  # transformers' FP8Experts.forward (its class wrapped once per block: unwrapped)
+          "batched_mm",  # transformers' fp8_batched_mm_experts_forward
+          "grouped_mm",  # transformers' fp8_grouped_mm_experts_forward (histc over N slots)
+      )),
+    # per tensor: gate_up scales [E, 2, 1] (gate and up apart), down [E, 1, 1]
+    pytest.param("qwen3_moe", None, DEQUANT_IMPLEMENTATION, id="qwen3_moe-per-tensor-dequant"),
+    pytest.param("deepseek_v3", None, "grouped_mm", id="deepseek_v3-per-tensor-grouped_mm"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family, block, implementation", FP8_CASES)
+def test_fp8_experts_are_served_packed(family, block, implementation, fp8_kernel_stand_in):
+    model, _ = fp8_models(family, block)
+    packed = {name: (p, p.detach().clone()) for name, p in model.named_parameters() if "experts" in name}
+    expected_bytes = _packed_bytes(model)
+    handle, reference, reference_logits, cached, cached_logits = _with_and_without(model, implementation)
+    _assert_same(reference, reference_logits, cached, cached_logits)
+    assert handle.stats.total.evictions > 0
+    assert handle.expert_bytes == expected_bytes  # fp8 values + fp32 scales
+    slots = handle.provider(handle.layers[0]).pool.tensors
+    assert slots["w1"].dtype == slots["w2"].dtype == torch.float8_e4m3fn
+    assert slots["gate_up_proj_scale_inv"].dtype == torch.float32
+    handle.disable()
+    for name, parameter in model.named_parameters():
+        if name in packed:
+            original, values = packed[name]
+            assert parameter is original and parameter.dtype == values.dtype
+            assert torch.equal(parameter.detach().view(torch.uint8), values.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("block", [BLOCK, None], ids=["block16", "per-tensor"])
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_fp8_computation_is_transformers_dequantization(family, block):
+    """Our implementation on the packed model = the float model transformers' loader makes."""
+    packed, dequantized = fp8_models(family, block)
+    packed.set_experts_implementation(DEQUANT_IMPLEMENTATION)
+    dequantized.set_experts_implementation("eager")
+    tokens = prompt()
+    expected = logits_of(dequantized, tokens)
+    torch.testing.assert_close(
+        logits_of(packed, tokens), expected, rtol=0, atol=TOLERANCE * expected.abs().max().item()
+    )
+    handle = enable_expert_cache(packed, cache_size=CACHE_SIZE)
+    torch.testing.assert_close(
+        logits_of(packed, tokens), expected, rtol=0, atol=TOLERANCE * expected.abs().max().item()
+    )
+    handle.disable()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreted kernels on the CPU; the gpu cases cover CUDA")
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_fp8_triton_kernels_on_slots_match_the_reference(mode):
+    """The Triton apply kernels (interpreted) on the slots give the reference's tokens."""
+    model, _ = fp8_models("qwen3_moe")
+    model.set_experts_implementation(DEQUANT_IMPLEMENTATION)
+    tokens = prompt()
+    reference = greedy_generate(model, tokens, NEW_TOKENS)
+    reference_logits = logits_of(model, reference.tokens)
+    model.set_experts_implementation(QUANT_IMPLEMENTATION)
+    handle = enable_expert_cache(model, cache_size=CACHE_SIZE, budget="global", mode=mode)
+    cached = greedy_generate(model, tokens, NEW_TOKENS)
+    _assert_same(reference, reference_logits, cached, logits_of(model, reference.tokens), tolerance=1e-4)
+    assert handle.stats.total.invalid_ids == 0
+    handle.disable()
+
+
+def test_manifest_counts_packed_fp8_bytes(tmp_path):
+    """What ``expertcache plan --manifest`` reads: fp8 values + fp32 scales, not bf16."""
+    from expertcache.commands.plan import read_manifest_sizes
+
+    model, _ = fp8_models("qwen3_moe")
+    handle = enable_expert_cache(model, cache_size=CACHE_SIZE)
+    manifest = build_manifest([handle.provider(layer) for layer in handle.layers])
+    hidden, inter = SIZES.hidden, SIZES.intermediate
+    scales = (2 * inter // BLOCK[0]) * (hidden // BLOCK[1]) + (hidden // BLOCK[0]) * (inter // BLOCK[1])
+    packed = 3 * hidden * inter * 1 + scales * 4  # gate, up, down: one byte per weight
+    assert manifest.expert_bytes == packed < 3 * hidden * inter * 2  # bf16 would be twice the weights
+    dtypes = {entry.name: entry.dtype for entry in manifest.tensors}
+    assert dtypes["w1"] == dtypes["w2"] == "float8_e4m3fn" and dtypes["gate_up_proj_scale_inv"] == "float32"
+    manifest.write(tmp_path / "manifest.json")
+    assert read_manifest_sizes(tmp_path / "manifest.json") == (packed, SIZES.num_experts)
+    handle.disable()
+
+
+def write_mxfp4_checkpoint(directory, *, dtype=torch.float32) -> None:
+    """A tiny GPT-OSS checkpoint whose experts are MXFP4 blocks and scales, as on the hub."""
+    from safetensors.torch import load_file, save_file
+
+    random_model("gpt_oss", SIZES, dtype=dtype).save_pretrained(directory)
+    path = os.path.join(directory, "model.safetensors")
+    state = load_file(path)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = state.pop(key)  # GPT-OSS keeps x @ W: [E, H, 2I], [E, I, H]
+        state[f"{key}_blocks"], state[f"{key}_scales"] = quantize_mxfp4(weight.transpose(1, 2).float())
+    save_file(state, path, metadata={"format": "pt"})
+    config_path = os.path.join(directory, "config.json")
+    with open(config_path) as file:
+        config = json.load(file)
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    with open(config_path, "w") as file:
+        json.dump(config, file)
+
+
+def _load(directory, *, device="cpu", dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    config = Mxfp4Config(dequantize=True)  # what transformers does without the hub kernels
+    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=config, dtype=dtype)
+    # 5.17 dequantizes the experts to bf16 whatever the dtype (exactly: e2m1 times a power of two)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    write_mxfp4_checkpoint(directory)
+    return directory
+
+
+_INTERPRETED = pytest.mark.skipif(HAS_CUDA, reason="CPU tensors: the gpu case runs the kernels")
+MXFP4_CASES = [
+    pytest.param("eager", "per-layer", "host", id="eager-per-layer"),  # Mxfp4Experts.forward: torch
+    pytest.param("eager", "global", "host", id="eager-global"),
+    pytest.param(QUANT_IMPLEMENTATION, "per-layer", "host", id="kernels-per-layer", marks=_INTERPRETED),
+    pytest.param(QUANT_IMPLEMENTATION, "global", "device", id="kernels-global-device", marks=_INTERPRETED),
+]
+
+
+@pytest.mark.parametrize("implementation, budget, mode", MXFP4_CASES)
+def test_mxfp4_gpt_oss_is_served_packed(mxfp4_checkpoint, implementation, budget, mode):
+    reference_model = _load(mxfp4_checkpoint)  # transformers' dequantization of the checkpoint
+    tokens = prompt()
+    reference = greedy_generate(reference_model, tokens, NEW_TOKENS)
+    reference_logits = logits_of(reference_model, reference.tokens)
+    model = _load(mxfp4_checkpoint)
+    replaced = load_mxfp4_experts(model, mxfp4_checkpoint)
+    assert replaced == list(_experts(model)) and len(replaced) == SIZES.num_moe_layers
+    assert all(isinstance(m, Mxfp4Experts) and m.gate_up_proj.dtype == torch.uint8 for m in _experts(model).values())
+    model.set_experts_implementation(implementation)
+    uncached = logits_of(model, reference.tokens)
+    scale = reference_logits.abs().max().item()
+    torch.testing.assert_close(uncached, reference_logits, rtol=0, atol=TOLERANCE * scale)
+    packed_bytes = _packed_bytes(model)
+    handle = enable_expert_cache(model, cache_size=CACHE_SIZE, budget=budget, mode=mode)
+    _assert_same(
+        reference, reference_logits, greedy_generate(model, tokens, NEW_TOKENS), logits_of(model, reference.tokens)
+    )
+    assert handle.expert_bytes == packed_bytes and handle.stats.total.evictions > 0
+    assert handle.provider(handle.layers[0]).pool.tensors["w1"].dtype == torch.uint8
+    handle.disable()
+
+
+def test_load_mxfp4_experts_needs_matching_modules(mxfp4_checkpoint):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model = random_model("qwen3_moe", SIZES)  # the same module names, but no GPT-OSS experts
+    before = {name: type(module) for name, module in _experts(model).items()}
+    with pytest.raises(ValueError, match="Qwen3MoeExperts.*not a GPT-OSS experts module.*nothing was replaced"):
+        load_mxfp4_experts(model, mxfp4_checkpoint)
+    assert {name: type(module) for name, module in _experts(model).items()} == before
+    dense = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=24,
+                                             num_hidden_layers=1, num_attention_heads=4))  # fmt: skip
+    with pytest.raises(ValueError, match="no '<experts>.gate_up_proj_blocks'"):
+        load_mxfp4_experts(dense, mxfp4_checkpoint)
+
+
+def test_transformers_mxfp4_experts_are_refused_with_the_way_out():
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+
+    model = random_model("gpt_oss", SIZES)
+    for name in _experts(model):
+        model.set_submodule(name, Mxfp4GptOssExperts(model.config))
+    with pytest.raises(UnsupportedModelError, match="Mxfp4GptOssExperts.*load_mxfp4_experts"):
+        enable_expert_cache(model, cache_size=CACHE_SIZE)
+
+
+# On the GPU in bf16: the Triton kernels on the slots, and transformers' own FP8 grouped_mm
+# where the hub kernel is installed (the GPU machine reaches no hub: usually skipped).
+GPU_TOLERANCE = 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["host", "device"])
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_fp8_on_gpu_with_the_kernels(family, mode):
+    model, _ = fp8_models(family, device="cuda", dtype=torch.bfloat16)
+    tokens = prompt(device="cuda")
+    model.set_experts_implementation(DEQUANT_IMPLEMENTATION)
+    dequantized = logits_of(model, tokens)
+    handle, reference, reference_logits, cached, cached_logits = _with_and_without(
+        model, QUANT_IMPLEMENTATION, mode=mode
+    )
+    _assert_same(reference, reference_logits, cached, cached_logits, tolerance=GPU_TOLERANCE)
+    scale = dequantized.abs().max().item()
+    torch.testing.assert_close(logits_of(model, tokens), dequantized, rtol=0, atol=GPU_TOLERANCE * scale)
+    handle.disable()
+
+
+@pytest.mark.gpu
+def test_fp8_on_gpu_with_transformers_hub_kernel():
+    try:
+        finegrained_fp8.load_finegrained_fp8_kernel()
+    except ImportError as error:
+        pytest.skip(f"transformers' finegrained-fp8 hub kernel is not available here: {error}")
+    model, _ = fp8_models("qwen3_moe", BLOCK, device="cuda", dtype=torch.bfloat16)
+    handle, reference, reference_logits, cached, cached_logits = _with_and_without(model, "grouped_mm")
+    _assert_same(reference, reference_logits, cached, cached_logits, tolerance=GPU_TOLERANCE)
+    handle.disable()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_mxfp4_on_gpu_with_the_kernels(mxfp4_checkpoint, mode):
+    reference_model = _load(mxfp4_checkpoint, device="cuda", dtype=torch.bfloat16)
+    reference_model.set_experts_implementation("batched_mm")
+    tokens = prompt(device="cuda")
+    dequantized = logits_of(reference_model, tokens)  # transformers' dequantization
+    model = _load(mxfp4_checkpoint, device="cuda", dtype=torch.bfloat16)
+    load_mxfp4_experts(model, mxfp4_checkpoint)
+    handle, reference, reference_logits, cached, cached_logits = _with_and_without(
+        model, QUANT_IMPLEMENTATION, mode=mode
+    )
+    _assert_same(reference, reference_logits, cached, cached_logits, tolerance=GPU_TOLERANCE)
+    assert model.get_submodule(handle.layers[0]).gate_up_proj.numel() == 0  # served from the slots
+    scale = dequantized.abs().max().item()
+    torch.testing.assert_close(logits_of(model, tokens), dequantized, rtol=0, atol=GPU_TOLERANCE * scale)
+    handle.disable()
