@@ -7,13 +7,11 @@ one model (random weights, quantised on the GPU, then copied into pinned stores)
            clamped SwiGLU (`expertcache.quant.GPT_OSS_MXFP4`), 13.25 MB per expert;
            apply `moe_apply_quant_passes(scheme=GPT_OSS_MXFP4)`
     bf16   the same experts dequantised (exact in bf16) + the same fp32 biases, 49.8 MB per
-           expert (3.76x); apply `moe_apply_passes`: no kernel here takes bf16 weights with
-           GPT-OSS's activation and biases (`QuantScheme` has no unquantised format, and
-           `moe_apply` is SiLU, concatenated, bias-free), so its bf16 GEMV stands in: it reads
-           the same bytes per (token, expert) (the biases are 0.07%), computes another MLP, and
-           its outputs are only compared with its own resident step. The all-resident bf16
-           step also runs with GPT-OSS's real MLP in torch (`gpt_oss_apply_torch`, gathers the
-           weights: ~3x the bytes) to check that the two formats compute the same function.
+           expert (3.76x); apply `moe_apply_quant_passes(scheme=GPT_OSS_BF16)`: the same
+           kernels and MLP (interleaved gate/up, clamped SwiGLU, biases) on unquantised weights
+           (format "none"), so the two formats differ only in the bytes they read and decode.
+           The all-resident bf16 step also runs GPT-OSS's MLP in torch (`gpt_oss_apply_torch`,
+           gathers the weights: ~3x the bytes), an independent check of the same function.
 
 Every variant is a device-mode `CachedWeightProvider` per layer over those pinned stores (the
 cache inside the graph), the whole step one CUDA graph (`GraphedDecodeStep`), batch 1. Budgets,
@@ -49,8 +47,8 @@ measured pinned copy-engine bandwidth (B, the faster of a 64 MiB copy and one la
 
 and the step time over each. ``rel_err``: a check step's output (same inputs for every
 variant) against its own resident step's (0 = bit-identical), and for the resident rows of
-other formats or applies against the section's first resident row (mxfp4 vs the bf16 GPT-OSS
-torch MLP; fp8 old vs new apply). Anchor: tinyserve reports ~30 tok/s for GPT-OSS-20B MXFP4 on
+other formats or applies against the section's first resident row (mxfp4 vs bf16, in the
+kernels and in the torch MLP; fp8 old vs new apply). Anchor: tinyserve reports ~30 tok/s for GPT-OSS-20B MXFP4 on
 an 8 GB laptop GPU; that is other hardware (PCIe, GPU): compare MB per token and the ratio to
 the bound, not tok/s.
 
@@ -102,7 +100,13 @@ from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E40
 from expertcache.kernels import moe_apply_passes, moe_apply_quant_passes  # noqa: E402
 from expertcache.layout import layout_from_weights  # noqa: E402
 from expertcache.passes import max_passes  # noqa: E402
-from expertcache.quant import FP8_BLOCK_128, GPT_OSS_MXFP4, dequantize_experts, quantize_experts  # noqa: E402
+from expertcache.quant import (  # noqa: E402
+    FP8_BLOCK_128,
+    GPT_OSS_BF16,
+    GPT_OSS_MXFP4,
+    dequantize_experts,
+    quantize_experts,
+)
 from expertcache.result import ExpertWeightResult  # noqa: E402
 from expertcache.store import CPUBackingStore  # noqa: E402
 
@@ -119,18 +123,14 @@ CHUNK = 8  # experts quantised at a time (bounds the fp32 temporaries on the GPU
 
 @dataclasses.dataclass
 class Family:
-    """One format of a model's experts and the apply that reads it.
+    """One format of a model's experts and the apply that reads it (every apply computes the
+    model's MLP, so resident outputs of one model compare across formats and applies)."""
 
-    ``same_function``: the apply computes the model's real MLP (False for the bf16 stand-in),
-    so its resident output may be compared with another format's.
-    """
-
-    name: str  # "mxfp4", "bf16", ...
+    name: str  # "mxfp4", "bfloat16", ...
     apply_name: str
     apply: Callable
     stores: list[CPUBackingStore]
     resident: list[dict[str, torch.Tensor]]  # the same experts on the device
-    same_function: bool = True
 
     @property
     def expert_bytes(self) -> int:
@@ -409,7 +409,7 @@ def run_section(section: Section, families: list[Family], cached: list[list], ro
             new = run_family(section, family, routing_name, routing, budget_list, reference)
             first = reference.get((families[0].name, families[0].apply_name, routing_name))
             own = reference.get((family.name, family.apply_name, routing_name))
-            if family is not families[0] and family.same_function and first is not None and own is not None:
+            if family is not families[0] and first is not None and own is not None:
                 new[0]["rel_err"] = relative_error(own[1], first[1])  # another format or apply, the same MLP
             rows += new
             save(new)
@@ -427,8 +427,8 @@ def build_gpt_oss(shape: dict, device: torch.device, dense_dtype: torch.dtype) -
     families = [
         Family("mxfp4", "moe_apply_quant_passes", functools.partial(moe_apply_quant_passes, scheme=GPT_OSS_MXFP4),
                mxfp4_stores, list(mxfp4)),
-        Family(name16, "moe_apply_passes (SiLU stand-in)", moe_apply_passes, dense_stores, list(dense),
-               same_function=False),
+        Family(name16, "moe_apply_quant_passes", functools.partial(moe_apply_quant_passes, scheme=GPT_OSS_BF16),
+               dense_stores, list(dense)),
         Family(name16, "gpt_oss_apply_torch", gpt_oss_apply_torch, dense_stores, list(dense)),
     ]  # fmt: skip
     mx_bytes, dense_bytes = families[0].expert_bytes, families[1].expert_bytes
@@ -507,10 +507,12 @@ def side_by_side(rows: list[dict], left: Callable, right: Callable, names: tuple
 
 
 def print_comparisons(rows: list[dict]) -> None:
-    """MXFP4 vs bf16 at the same GPU bytes (the bf16 stand-in apply); DeepSeek's new vs old apply."""
+    """MXFP4 vs bf16 at the same GPU bytes (one apply, two formats); DeepSeek's new vs old apply."""
     pairs = [
-        ("GPT-OSS: MXFP4 vs 16-bit experts at the same GPU bytes", lambda r: r["format"] == "mxfp4",
-         lambda r: r["apply"].startswith("moe_apply_passes (SiLU"), ("mxfp4", "bf16")),
+        ("GPT-OSS: MXFP4 vs 16-bit experts at the same GPU bytes (moe_apply_quant_passes)",
+         lambda r: r["format"] == "mxfp4",
+         lambda r: r["format"] in ("bfloat16", "float16") and r["apply"] == "moe_apply_quant_passes",
+         ("mxfp4", "bf16")),
         ("DeepSeek-V3 fp8: moe_apply_quant_passes vs moe_apply_passes (old)",
          lambda r: r["format"] == "fp8" and r["apply"] == "moe_apply_quant_passes",
          lambda r: r["format"] == "fp8" and r["apply"].endswith("(old)"), ("new", "old")),
@@ -573,8 +575,10 @@ def main() -> None:
     cached = [r for r in rows if r.get("pool") != "resident" and "rel_err" in r]
     exact = all(r["rel_err"] == 0 for r in cached)
     print(f"\ncheck: every cached step's output equals its resident step's bit for bit: {exact}")
+    first: dict[str, tuple] = {}  # model -> (format, apply) of its first row
     for row in rows:
-        if row.get("pool") == "resident" and row["apply"] in ("gpt_oss_apply_torch", "moe_apply_passes (old)"):
+        own = first.setdefault(row["model"], (row["format"], row["apply"]))
+        if row.get("pool") == "resident" and (row["format"], row["apply"]) != own:
             print(f"check: resident {row['format']} {row['apply']} vs the section's first resident row "
                   f"({row['routing']}): rel err {row.get('rel_err', float('nan')):.2e}")  # fmt: skip
     print(ANCHOR)

@@ -1,9 +1,9 @@
-"""Quantised expert schemes: the tensors one expert registers, and the MLP they compute.
+"""Expert weight schemes: the tensors one expert registers, and the MLP they compute.
 
-A `QuantScheme` names a storage format and the expert MLP around it; the cache stores the
-packed tensors as opaque per-expert bytes (`expertcache.layout`) and the apply kernels
-(`expertcache.kernels.quant_apply`, ``quant_grouped``) dequantise in registers. Registered
-names, with ``G(K) = ceil(K/32)``::
+A `QuantScheme` names a storage format (quantised, or plain 16/32-bit) and the expert MLP
+around it; the cache stores the tensors as opaque per-expert bytes (`expertcache.layout`)
+and the apply kernels (`expertcache.kernels.quant_apply`, ``quant_grouped``) dequantise in
+registers. Registered names, with ``G(K) = ceil(K/32)``::
 
     scheme           w1 (per expert)     w2 (per expert)     w1_scale, w2_scale                          extra
     FP8_BLOCK_128    [2I, H] e4m3        [H, I] e4m3         [ceil(2I/128), ceil(H/128)] fp32,           -
@@ -11,6 +11,8 @@ names, with ``G(K) = ceil(K/32)``::
     FP8_PER_TENSOR   [2I, H] e4m3        [H, I] e4m3         [] fp32, [] fp32 (one per expert)           -
     GPT_OSS_MXFP4    [2I, G(H), 16] u8   [H, G(I), 16] u8    [2I, G(H)] e8m0 u8, [H, G(I)] e8m0 u8      w1_bias [2I],
                                                                                                        w2_bias [H] fp32
+    GPT_OSS_BF16     [2I, H] bf16        [H, I] bf16         -                                           as MXFP4
+    format "none"    [2I, H], [H, I] bf16, fp16 or fp32 (`unquantized` of any scheme: its MLP, no scales)
 
 (shapes per expert; `expertcache.quant_fp8`, `expertcache.quant_mxfp4` define the formats).
 The MLP of every (token t, choice k) with expert e, dequantised weights ``W1``, ``W2``::
@@ -26,13 +28,14 @@ The MLP of every (token t, choice k) with expert e, dequantised weights ``W1``, 
 
 `gated_moe_forward` is that MLP in float (the reference), `quant_moe_forward` dequantises
 first. `quantize_experts` turns float ``[E, 2I, H]`` / ``[E, H, I]`` weights into a
-scheme's tensors, `dequantize_experts` back.
+scheme's tensors, `dequantize_experts` back. Format ``"none"`` lets one kernel serve a model
+in both its quantised and its 16-bit form (GPT-OSS's MXFP4 and bf16 checkpoints).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +50,9 @@ from expertcache.quant_mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from expertcache.reference import combine_expert_outputs
 from expertcache.result import ExpertWeightResult
 
-FORMATS = ("fp8", "mxfp4")
+FORMATS = ("fp8", "mxfp4", "none")
+#: weight dtypes of format "none"
+UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GATE_UP_LAYOUTS = ("concatenated", "interleaved")
 ACTIVATIONS = ("silu", "swiglu_oai")
 
@@ -57,7 +62,8 @@ class QuantScheme:
     """A storage format and the gated expert MLP around it (see the module docstring).
 
     Attributes:
-        format: ``"fp8"`` (e4m3 with fp32 scales) or ``"mxfp4"`` (e2m1 with e8m0 scales).
+        format: ``"fp8"`` (e4m3 with fp32 scales), ``"mxfp4"`` (e2m1 with e8m0 scales) or
+            ``"none"`` (bf16, fp16 or fp32 weights as they are, no scales).
         fp8_block: fp8 only: ``(rows, columns)`` per scale, or None for one scale per
             expert matrix (per-tensor).
         gate_up: which rows of ``w1`` are the gate: ``"concatenated"`` (the first I) or
@@ -91,8 +97,14 @@ class QuantScheme:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The registered tensor names, ``w1`` and ``w2`` first."""
-        return ("w1", "w2", "w1_scale", "w2_scale") + (("w1_bias", "w2_bias") if self.has_bias else ())
+        """The registered tensor names, ``w1`` and ``w2`` first (no scales for format ``"none"``)."""
+        scales = () if self.format == "none" else ("w1_scale", "w2_scale")
+        return ("w1", "w2", *scales) + (("w1_bias", "w2_bias") if self.has_bias else ())
+
+
+def unquantized(scheme: QuantScheme) -> QuantScheme:
+    """``scheme``'s MLP (gate/up layout, activation, biases) on 16/32-bit weights: format ``"none"``."""
+    return replace(scheme, format="none", fp8_block=None)
 
 
 #: DeepSeek-V3 / Qwen3-FP8: e4m3, 128x128 block scales, SwiGLU.
@@ -101,6 +113,8 @@ FP8_BLOCK_128 = QuantScheme("fp8", fp8_block=(128, 128))
 FP8_PER_TENSOR = QuantScheme("fp8")
 #: GPT-OSS: MXFP4, interleaved gate/up, clamped SwiGLU, biases.
 GPT_OSS_MXFP4 = QuantScheme("mxfp4", gate_up="interleaved", activation="swiglu_oai", has_bias=True)
+#: GPT-OSS's MLP on unquantised weights (bf16 checkpoints, or MXFP4 dequantised; fp16/fp32 work too).
+GPT_OSS_BF16 = unquantized(GPT_OSS_MXFP4)
 
 
 def quantize_experts(
@@ -109,6 +123,8 @@ def quantize_experts(
     w2: torch.Tensor,
     w1_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """The registered tensors of ``scheme`` from float weights.
 
@@ -116,13 +132,20 @@ def quantize_experts(
         w1: ``[E, 2I, H]`` float, rows in ``scheme.gate_up`` order.
         w2: ``[E, H, I]`` float.
         w1_bias, w2_bias: ``[E, 2I]``, ``[E, H]``, required when ``scheme.has_bias`` (kept fp32).
+        dtype: format ``"none"`` only: the weights' dtype (bf16, fp16 or fp32; default: ``w1``'s).
 
     Returns:
         ``{name: [E, ...]}`` in ``scheme.names`` order (shapes in the module docstring).
     """
+    if dtype is not None and scheme.format != "none":
+        raise ValueError(f"dtype is for format 'none' only; {scheme.format} has its own")
     out = {}
     for name, weight in (("w1", w1), ("w2", w2)):
-        if scheme.format == "mxfp4":
+        if scheme.format == "none":
+            out[name] = weight.to(dtype or w1.dtype).contiguous()
+            if out[name].dtype not in UNQUANTIZED_DTYPES:
+                raise ValueError(f"format 'none' stores {UNQUANTIZED_DTYPES}, got {out[name].dtype}")
+        elif scheme.format == "mxfp4":
             out[name], out[f"{name}_scale"] = quantize_mxfp4(weight)
         elif scheme.fp8_block is None:
             out[name], out[f"{name}_scale"] = quantize_fp8_per_tensor(weight)
@@ -143,6 +166,8 @@ def dequantize_experts(
     ``hidden_size`` (H) is needed because MXFP4 pads the columns to whole groups of 32.
     """
     tensors = weights_of(weights)
+    if scheme.format == "none":
+        return tensors["w1"].float(), tensors["w2"].float()
     w1, w2, s1, s2 = (tensors[name] for name in ("w1", "w2", "w1_scale", "w2_scale"))
     if scheme.format == "mxfp4":
         inter = w1.shape[1] // 2

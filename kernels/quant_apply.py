@@ -3,15 +3,18 @@
 ``moe_apply_quant(hidden, weights, topk_weights, topk_ids, scheme=...)`` computes what
 `expertcache.quant.quant_moe_forward` computes (the scheme's gated MLP on the dequantised
 weights), reading the packed ``[N, ...]`` tensors of a slot pool (slot ids) or of all-resident
-experts (expert ids) in place: fp8 e4m3 with block or per-tensor scales, or GPT-OSS MXFP4
-with biases. Like `expert_apply.moe_apply`, three launches, fp32 throughout, no atomics::
+experts (expert ids) in place: fp8 e4m3 with block or per-tensor scales, GPT-OSS MXFP4
+with biases, or unquantised bf16/fp16/fp32 weights (format ``"none"``, e.g. ``GPT_OSS_BF16``:
+the same MLP options, so one model's formats run the same kernels). Like
+`expert_apply.moe_apply`, three launches, fp32 throughout, no atomics::
 
     gate_up  grid (T*K, I/BLOCK_I):  act[t,k]  = act_fn(W1g[e] @ x_t + b, W1u[e] @ x_t + b)  fp32
     down     grid (T*K, H/BLOCK_H):  part[t,k] = topk_weight[t,k] * (W2[e] @ act[t,k] + b2)  fp32
     sum_k    grid (T, H/256):        out[t]    = sum over k of part[t,k], in k order
 
 Each K step multiplies raw decoded values and scales the partial sums: fp8 steps lie inside
-one scale column (a power of two dividing it), so the scale is one value per row; MXFP4
+one scale column (a power of two dividing it), so the scale is one value per row
+(unquantised weights: fp8's path, no scale, steps of up to 256 columns); MXFP4
 steps cover whole groups of 32 (``[rows, groups, 16]`` byte tiles, even and odd columns
 apart). Ids outside ``[0, N)`` (-1 included) contribute nothing and read nothing.
 """
@@ -49,7 +52,7 @@ def _rows_times_vector(
     """``[BLOCK_R]`` fp32: decoded ``W[rows] @ x`` of one expert (``w_ptr``, ``scale_ptr`` at it)."""
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     rows64 = rows.to(tl.int64)
-    if FORMAT == 0:  # fp8: one scale per row in a step
+    if FORMAT != 1:  # fp8: one scale per row in a step; unquantised (2): no scale
         scale_row = scale_ptr + (rows64 // scale_rows) * stride_scale_row
         for start in range(0, columns, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
@@ -57,8 +60,10 @@ def _rows_times_vector(
             x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             mask = row_mask[:, None] & col_mask[None, :]
             w = tl.load(w_ptr + rows64[:, None] * stride_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            scale = tl.load(scale_row + start // scale_cols, mask=row_mask, other=0.0).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1) * scale
+            partial = tl.sum(w * x[None, :], axis=1)
+            if FORMAT == 0:
+                partial = partial * tl.load(scale_row + start // scale_cols, mask=row_mask, other=0.0).to(tl.float32)
+            acc += partial
     else:  # MXFP4: BLOCK_K // 32 groups a step, bytes [rows, groups, 16]
         num_groups = (columns + 31) // 32
         pairs = tl.arange(0, 16)
@@ -160,7 +165,7 @@ def moe_apply_quant(
         topk_ids: ``[T, K]`` int32/int64 indices into the weights (slot ids for a pool's
             result); ids outside ``[0, N)``, -1 included, contribute nothing.
         scheme: the format and MLP (`expertcache.quant.FP8_BLOCK_128`, ``FP8_PER_TENSOR``,
-            ``GPT_OSS_MXFP4``, or any `QuantScheme`).
+            ``GPT_OSS_MXFP4``, ``GPT_OSS_BF16``, or any `QuantScheme`).
         invalid_ids: optional ``[1]`` int64 counter on ``hidden``'s device; ids outside
             ``[-1, N)`` are added to it.
         fp32_out: return the fp32 accumulator instead of rounding to ``hidden``'s dtype.

@@ -3,9 +3,10 @@
 Decoding never leaves registers: an fp8 weight is loaded as e4m3 and converted; an MXFP4
 byte is split into its two e2m1 nibbles arithmetically (`e2m1_to_float`) and its group's
 e8m0 code becomes ``2 ** (code - 127)`` by placing it in a float32 exponent (`e8m0_to_float`,
-code 0 -> 0). `QuantOperands` is the validated view of one call's tensors that both the
-GEMV (`quant_apply`) and grouped (`quant_grouped`) launchers pass on, one `Projection`
-per weight matrix.
+code 0 -> 0); an unquantised (format ``"none"``) weight is loaded as it is and never scaled,
+the fp8 code path without its scale. `QuantOperands` is the validated view of one call's
+tensors that both the GEMV (`quant_apply`) and grouped (`quant_grouped`) launchers pass on,
+one `Projection` per weight matrix.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import runs_on
-from expertcache.quant import QuantScheme
+from expertcache.quant import UNQUANTIZED_DTYPES, QuantScheme
 from expertcache.quant_mxfp4 import GROUP, mxfp4_groups
 
-FORMAT_FP8, FORMAT_MXFP4 = 0, 1
+FORMAT_FP8, FORMAT_MXFP4, FORMAT_NONE = 0, 1, 2
+_FORMAT_CODES = {"fp8": FORMAT_FP8, "mxfp4": FORMAT_MXFP4, "none": FORMAT_NONE}
 ACTIVATION_SILU, ACTIVATION_SWIGLU_OAI = 0, 1
 
 
@@ -59,12 +61,14 @@ class Projection:
     """One weight matrix of every expert (or slot), ``[N, rows, columns]`` after decoding.
 
     Attributes:
-        weight: fp8 ``[N, rows, columns]`` or MXFP4 blocks ``[N, rows, G, 16]``.
+        weight: fp8 or 16/32-bit ``[N, rows, columns]``, or MXFP4 blocks ``[N, rows, G, 16]``.
         scale: fp8 ``[N, ceil(rows/scale_rows), ceil(columns/scale_cols)]`` (a per-tensor
-            ``[N]`` is given as its ``[N, 1, 1]`` view) or e8m0 ``[N, rows, G]``.
+            ``[N]`` is given as its ``[N, 1, 1]`` view) or e8m0 ``[N, rows, G]``; format
+            ``"none"``: ``weight`` again, an unused pointer.
         bias: ``[N, rows]`` or None.
         columns: the reduction length (H for w1, I for w2).
-        scale_rows, scale_cols: fp8 rows and columns per scale (1 for MXFP4).
+        scale_rows, scale_cols: fp8 rows and columns per scale (1 for MXFP4; format ``"none"``:
+            rows and columns, one "scale column", so any K step fits).
     """
 
     weight: torch.Tensor
@@ -129,6 +133,10 @@ def quant_operands(
         inter_size = w1.shape[1] // 2
         projections = (_mxfp4(tensors, "w1", num_rows, 2 * inter_size, hidden_size),
                        _mxfp4(tensors, "w2", num_rows, hidden_size, inter_size))  # fmt: skip
+    elif scheme.format == "none":
+        inter_size = w1.shape[1] // 2 if w1.dim() == 3 else 0
+        projections = (_unquantized(tensors, "w1", num_rows, 2 * inter_size, hidden_size),
+                       _unquantized(tensors, "w2", num_rows, hidden_size, inter_size))  # fmt: skip
     else:
         inter_size = w1.shape[1] // 2 if w1.dim() == 3 else 0
         projections = (_fp8(tensors, "w1", num_rows, 2 * inter_size, hidden_size, scheme.fp8_block),
@@ -144,7 +152,7 @@ def quant_operands(
     interleaved = scheme.gate_up == "interleaved"
     return QuantOperands(
         *projections, num_rows, hidden_size, inter_size,
-        format=FORMAT_MXFP4 if scheme.format == "mxfp4" else FORMAT_FP8,
+        format=_FORMAT_CODES[scheme.format],
         activation=ACTIVATION_SWIGLU_OAI if scheme.activation == "swiglu_oai" else ACTIVATION_SILU,
         has_bias=scheme.has_bias, row_step=2 if interleaved else 1, up_offset=1 if interleaved else inter_size,
         alpha=float(scheme.alpha), limit=float(scheme.limit),
@@ -168,6 +176,16 @@ def _fp8(tensors, name, num_rows, rows, columns, block) -> Projection:
         raise ValueError(f"the last dimension of {name}_scale must be contiguous")
     bias = tensors.get(f"{name}_bias")
     return Projection(weight, scale, bias, columns, scale_rows, scale_cols)
+
+
+def _unquantized(tensors, name, num_rows, rows, columns) -> Projection:
+    weight = tensors[name]
+    if weight.dtype not in UNQUANTIZED_DTYPES or tuple(weight.shape) != (num_rows, rows, columns):
+        raise ValueError(f"{name} must be bf16, fp16 or fp32 [{num_rows}, {rows}, {columns}], "
+                         f"got {weight.dtype} {list(weight.shape)}")  # fmt: skip
+    if weight.stride(2) != 1:
+        raise ValueError(f"the last dimension of {name} must be contiguous")
+    return Projection(weight, weight, tensors.get(f"{name}_bias"), columns, rows, columns)
 
 
 def _mxfp4(tensors, name, num_rows, rows, columns) -> Projection:

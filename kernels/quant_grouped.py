@@ -12,9 +12,10 @@ blocks of ``BLOCK_M`` rows (`grouped_routing.sort_pairs_by_expert`), then::
 Dequantisation happens on the tile: a K step multiplies the raw decoded values (e4m3 or
 e2m1, exact in fp16 and bf16) on tensor cores and scales the fp32 partial product per
 output column (fp8: the step lies inside one scale column; MXFP4: a step is one group of
-32, as two K=16 products of the even and the odd columns). 16-bit ``hidden`` multiplies in
-its dtype and rounds ``act`` to it (as fused MoE kernels do); fp32 ``hidden`` multiplies in
-fp32 with ``input_precision="ieee"``.
+32, as two K=16 products of the even and the odd columns); unquantised weights (format
+``"none"``) take fp8's path without the scale. 16-bit ``hidden`` multiplies in its dtype and
+rounds ``act`` to it (as fused MoE kernels do); fp32 ``hidden``, or unquantised weights of
+another dtype than ``hidden``'s, multiply in fp32 with ``input_precision="ieee"``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from expertcache.kernels.grouped_routing import sort_pairs_by_expert
 from expertcache.kernels.quant_apply import _check_counter
 from expertcache.kernels.quant_common import (
     FORMAT_MXFP4,
+    FORMAT_NONE,
     QuantOperands,
     activate,
     e2m1_to_float,
@@ -61,7 +63,7 @@ def _tile_product(
     """``[BLOCK_M, BLOCK_N]`` fp32: ``x @ W[w_rows].T`` decoded, ``x_rows`` ``[BLOCK_M, 1]`` row pointers."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_rows64 = w_rows.to(tl.int64)
-    if FORMAT == 0:
+    if FORMAT != 1:  # fp8 (0), scaled per output column in a step; unquantised (2): no scale
         scale_row = scale_ptr + (w_rows64 // scale_rows) * stride_scale_row
         for start in range(0, columns, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
@@ -69,8 +71,11 @@ def _tile_product(
             x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             w_tile = w_ptr + w_rows64[None, :] * stride_row + ks[:, None]
             w = tl.load(w_tile, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
-            scale = tl.load(scale_row + start // scale_cols, mask=w_mask, other=0.0).to(tl.float32)
-            acc += _dot(x, w, FP32_DOT) * scale[None, :]
+            product = _dot(x, w, FP32_DOT)
+            if FORMAT == 0:
+                scale = tl.load(scale_row + start // scale_cols, mask=w_mask, other=0.0).to(tl.float32)
+                product = product * scale[None, :]
+            acc += product
     else:
         pairs = tl.arange(0, 16)
         for group in range(0, (columns + 31) // 32):
@@ -201,7 +206,7 @@ def moe_apply_quant_grouped(
 
 def quant_tiles(hidden, ops: QuantOperands, num_pairs: int, block_m=None, block_n=None) -> tuple[int, ...]:
     """``(block_m, block_n, block_k1, block_k2, num_warps, num_stages)`` of one call."""
-    tensor_cores = hidden.dtype in (torch.float16, torch.bfloat16)
+    tensor_cores = not multiplies_in_fp32(hidden, ops)
     default_m, default_n, default_k, num_warps, num_stages = default_tiles(
         num_pairs, ops.hidden_size, ops.inter_size, tensor_cores
     )
@@ -222,6 +227,14 @@ def quant_tiles(hidden, ops: QuantOperands, num_pairs: int, block_m=None, block_
     return block_m, block_n, *steps, num_warps, num_stages
 
 
+def multiplies_in_fp32(hidden: torch.Tensor, ops: QuantOperands) -> bool:
+    """fp32 products (``input_precision="ieee"``) for fp32 ``hidden``, and for unquantised
+    weights of another dtype than 16-bit ``hidden`` (casting them to it would round them)."""
+    if hidden.dtype not in (torch.float16, torch.bfloat16):
+        return True
+    return ops.format == FORMAT_NONE and any(p.weight.dtype != hidden.dtype for p in (ops.w1, ops.w2))
+
+
 def launch_quant_grouped_pairs(hidden, ops: QuantOperands, ids, weights, part, write_all: bool, tiles) -> None:
     """Route, gate_up, down: ``part[t*K + k]`` = weighted expert output for ids in
     ``[0, N)``; other rows get zeros (``write_all``) or stay as they were (a later pass)."""
@@ -230,7 +243,7 @@ def launch_quant_grouped_pairs(hidden, ops: QuantOperands, ids, weights, part, w
     pairs = tokens * top_k
     routing = sort_pairs_by_expert(ids, ops.num_rows, block_m)
     num_blocks = routing.expert_of_block.numel()
-    fp32_dot = hidden.dtype not in (torch.float16, torch.bfloat16)
+    fp32_dot = multiplies_in_fp32(hidden, ops)
     act_dtype = torch.float32 if fp32_dot else hidden.dtype
     act = torch.empty(num_blocks * block_m, ops.inter_size, dtype=act_dtype, device=hidden.device)
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, FP32_DOT=fp32_dot, num_warps=num_warps, num_stages=num_stages)

@@ -1,9 +1,11 @@
 """The quantised apply kernels (GEMV and grouped) equal the dequantising reference; a slot
-pool serves packed tensors bit for bit and the kernels read them in place.
+pool serves packed tensors bit for bit and the kernels read them in place; the unquantised
+format (``"none"``) runs the same MLP options and equals MXFP4 on weights both hold exactly.
 
 Interpreted on a CPU (GEMV: fp32 and bf16 activations; grouped: fp32 and fp16, the
 interpreter's bf16 products being wrong), compiled on a GPU (bf16 too, and model-sized
-shapes). The weights sit between poisoned experts (fp8 NaN bytes, e8m0 code 255, NaN
+shapes). Unquantised weights take the activations' dtype unless a test says otherwise. The
+weights sit between poisoned experts (fp8 NaN bytes, e8m0 code 255, NaN weights and
 biases), so a kernel that read outside ``[0, N)`` would give NaN.
 """
 
@@ -16,7 +18,17 @@ from helpers import random_topk
 
 from expertcache import CachedWeightProvider
 from expertcache.kernels import moe_apply_quant, moe_apply_quant_grouped, moe_apply_quant_passes, moe_apply_quant_torch
-from expertcache.quant import FP8_BLOCK_128, FP8_PER_TENSOR, GPT_OSS_MXFP4, QuantScheme, quantize_experts, weights_of
+from expertcache.quant import (
+    FP8_BLOCK_128,
+    FP8_PER_TENSOR,
+    GPT_OSS_BF16,
+    GPT_OSS_MXFP4,
+    QuantScheme,
+    dequantize_experts,
+    quantize_experts,
+    unquantized,
+    weights_of,
+)
 
 SCHEMES = [
     pytest.param(FP8_PER_TENSOR, id="fp8-tensor"),
@@ -29,6 +41,8 @@ SCHEMES = [
         id="fp8-oai-bias",
     ),  # fmt: skip
     pytest.param(QuantScheme("mxfp4"), id="mxfp4-silu"),
+    pytest.param(GPT_OSS_BF16, id="none-gpt-oss"),  # unquantised: interleaved, clamped SwiGLU, biases
+    pytest.param(QuantScheme("none"), id="none-silu"),  # unquantised: concatenated, SiLU, no biases
 ]
 
 SHAPES = [
@@ -56,6 +70,11 @@ def float_experts(num_experts, hidden, inter, gen, *, gain=1.0):
     )
 
 
+def quantize(scheme, floats, dtype):
+    """``scheme``'s tensors; unquantised weights in ``dtype`` (the activations')."""
+    return quantize_experts(scheme, *floats, **({"dtype": dtype} if scheme.format == "none" else {}))
+
+
 def poisoned(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
     """Each tensor as the view ``[1:-1]`` of a buffer whose entries -1 and N are poison."""
     out = {}
@@ -74,7 +93,7 @@ def poisoned(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor
 
 def call(scheme, tokens, top_k, num_experts, hidden, inter, *, dtype, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    tensors = quantize_experts(scheme, *float_experts(num_experts, hidden, inter, gen, gain=4.0))
+    tensors = quantize(scheme, float_experts(num_experts, hidden, inter, gen, gain=4.0), dtype)
     ids = random_topk(tokens, top_k, num_experts, generator=gen)
     if top_k > 1:
         ids[0, -1] = -1  # a skipped choice contributes nothing
@@ -136,12 +155,14 @@ def test_no_choices_give_zeros(device):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("scheme", [FP8_BLOCK_128, GPT_OSS_MXFP4], ids=["fp8-block", "mxfp4"])
+@pytest.mark.parametrize(
+    "scheme", [FP8_BLOCK_128, GPT_OSS_MXFP4, GPT_OSS_BF16], ids=["fp8-block", "mxfp4", "none-gpt-oss"]
+)
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_slots_serve_packed_tensors_bit_exactly(device, scheme, mode):
     """Each slot holds its expert's packed bytes; the kernels on the slots equal the full weights."""
     gen = torch.Generator().manual_seed(1)
-    tensors = quantize_experts(scheme, *float_experts(10, 40, 24, gen))
+    tensors = quantize(scheme, float_experts(10, 40, 24, gen), torch.bfloat16)  # fp32 tokens, bf16 weights
     full = {name: tensor.to(device) for name, tensor in tensors.items()}
     provider = CachedWeightProvider(tensors, cache_size=4, device=device, mode=mode)
     for _ in range(4):
@@ -164,9 +185,10 @@ def test_slots_serve_packed_tensors_bit_exactly(device, scheme, mode):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("mode", ["host", "device"])
 @pytest.mark.parametrize("kernel", ["gemv", "grouped"])
-def test_passes_are_bit_identical_to_one_call(device, mode, kernel):
+@pytest.mark.parametrize("scheme", [GPT_OSS_MXFP4, GPT_OSS_BF16], ids=["mxfp4", "none-gpt-oss"])
+def test_passes_are_bit_identical_to_one_call(device, mode, kernel, scheme):
     gen = torch.Generator().manual_seed(2)
-    tensors = quantize_experts(GPT_OSS_MXFP4, *float_experts(9, 32, 16, gen))
+    tensors = quantize(scheme, float_experts(9, 32, 16, gen), torch.bfloat16)  # fp32 tokens, bf16 weights
     full = {name: tensor.to(device) for name, tensor in tensors.items()}
     provider = CachedWeightProvider(tensors, cache_size=3, device=device, mode=mode)
     one_call = moe_apply_quant if kernel == "gemv" else moe_apply_quant_grouped
@@ -174,8 +196,87 @@ def test_passes_are_bit_identical_to_one_call(device, mode, kernel):
         ids = random_topk(5, 3, 9, generator=gen).to(device)  # more experts than slots: passes
         x = torch.randn(5, 32, generator=gen).to(device)
         router = torch.rand(5, 3, generator=gen).to(device)
-        ours = moe_apply_quant_passes(x, provider.passes(ids), router, scheme=GPT_OSS_MXFP4, kernel=kernel)
-        assert torch.equal(ours, one_call(x, full, router, ids, scheme=GPT_OSS_MXFP4))
+        ours = moe_apply_quant_passes(x, provider.passes(ids), router, scheme=scheme, kernel=kernel)
+        assert torch.equal(ours, one_call(x, full, router, ids, scheme=scheme))
+
+
+# ---- the unquantised format ---------------------------------------------------------------
+
+# MXFP4 dequantised into each 16-bit dtype (exact: two significant bits, moderate exponents),
+# tokens in fp32 (both formats multiply in fp32: only the summation order differs) or fp16
+# (tensor-core products; the grouped kernel's fp16 act may round either way of a tie)
+REPRESENTABLE = [
+    pytest.param(torch.bfloat16, torch.float32, 1e-5, id="bf16-weights-fp32-tokens"),
+    pytest.param(torch.float16, torch.float32, 1e-5, id="fp16-weights-fp32-tokens"),
+    pytest.param(torch.float32, torch.float32, 1e-5, id="fp32-weights-fp32-tokens"),
+    pytest.param(torch.float16, torch.float16, 4e-3, id="fp16-weights-fp16-tokens"),
+    pytest.param(torch.bfloat16, torch.bfloat16, 2e-2, id="bf16-weights-bf16-tokens", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("weight_dtype, dtype, tolerance", REPRESENTABLE)
+@pytest.mark.parametrize("tokens, top_k, num_experts, hidden, inter", SHAPES)
+def test_16_bit_gpt_oss_equals_mxfp4_on_representable_weights(
+    device, weight_dtype, dtype, tolerance, tokens, top_k, num_experts, hidden, inter
+):
+    x, packed, router, ids = call(GPT_OSS_MXFP4, tokens, top_k, num_experts, hidden, inter, dtype=dtype, device=device)
+    w1, w2 = dequantize_experts(GPT_OSS_MXFP4, packed, hidden)
+    assert torch.equal(w1.to(weight_dtype).float(), w1) and torch.equal(w2.to(weight_dtype).float(), w2)  # exact
+    dense = poisoned({"w1": w1.to(weight_dtype), "w2": w2.to(weight_dtype), "w1_bias": packed["w1_bias"],
+                      "w2_bias": packed["w2_bias"]}, "cpu")  # fmt: skip
+    dense = {name: tensor.to(device) for name, tensor in dense.items()}
+    for apply in (moe_apply_quant, moe_apply_quant_grouped):
+        if apply is moe_apply_quant_grouped and dtype == torch.bfloat16 and not HAS_CUDA:
+            continue  # the interpreter's bf16 products
+        ours = apply(x, dense, router, ids, scheme=GPT_OSS_BF16, fp32_out=True)
+        theirs = apply(x, packed, router, ids, scheme=GPT_OSS_MXFP4, fp32_out=True)
+        check(ours, theirs, torch.float32, tolerance)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(
+    "weight_dtype, dtype",
+    [
+        pytest.param(torch.float32, torch.float16, id="fp32-weights-fp16-tokens"),
+        pytest.param(torch.float32, torch.bfloat16, id="fp32-weights-bf16-tokens"),
+        pytest.param(torch.bfloat16, torch.float16, id="bf16-weights-fp16-tokens"),
+        pytest.param(torch.bfloat16, torch.float32, id="bf16-weights-fp32-tokens"),
+    ],
+)
+def test_unquantized_weights_are_not_rounded_to_the_tokens_dtype(device, weight_dtype, dtype):
+    """Weights of another dtype than ``hidden``'s multiply in fp32 (the grouped kernel would
+    otherwise cast them to ``hidden``'s dtype): fp32 output within fp32 rounding of the reference."""
+    scheme = unquantized(QuantScheme("mxfp4", gate_up="interleaved", activation="swiglu_oai", has_bias=True))
+    assert scheme == GPT_OSS_BF16
+    gen = torch.Generator().manual_seed(6)
+    tensors = poisoned(quantize(scheme, float_experts(5, 40, 24, gen), weight_dtype), device)
+    ids = random_topk(6, 3, 5, generator=gen).to(device)
+    ids[2, 1] = -1
+    x = torch.randn(6, 40, generator=gen).to(dtype).to(device)
+    router = torch.rand(6, 3, generator=gen).to(device)
+    reference = moe_apply_quant_torch(x.float(), tensors, router, ids, scheme=scheme)
+    for apply in (moe_apply_quant, moe_apply_quant_grouped):
+        check(apply(x, tensors, router, ids, scheme=scheme, fp32_out=True), reference, torch.float32, 1e-5)
+
+
+def test_unquantized_scheme_registers_weights_and_biases_only():
+    assert GPT_OSS_BF16.names == ("w1", "w2", "w1_bias", "w2_bias")
+    assert unquantized(FP8_BLOCK_128) == QuantScheme("none")
+    assert QuantScheme("none").names == ("w1", "w2")
+    gen = torch.Generator().manual_seed(7)
+    floats = float_experts(3, 32, 16, gen)
+    tensors = quantize_experts(GPT_OSS_BF16, *floats, dtype=torch.bfloat16)
+    assert tuple(tensors) == GPT_OSS_BF16.names and tensors["w1"].dtype == torch.bfloat16
+    assert tensors["w1_bias"].dtype == torch.float32
+    back1, back2 = dequantize_experts(GPT_OSS_BF16, tensors, hidden_size=32)
+    assert torch.equal(back1, floats[0].bfloat16().float()) and torch.equal(back2, floats[1].bfloat16().float())
+    with pytest.raises(ValueError, match="fp8_block"):
+        QuantScheme("none", fp8_block=(128, 128))
+    with pytest.raises(ValueError, match="dtype"):
+        quantize_experts(GPT_OSS_MXFP4, *floats, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="stores"):
+        quantize_experts(QuantScheme("none"), *floats[:2], dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -196,6 +297,13 @@ def test_bad_inputs_raise(device):
         moe_apply_quant(torch.randn(2, 64, device=device), mxfp4, router, ids, scheme=GPT_OSS_MXFP4)
     with pytest.raises(TypeError, match="QuantScheme"):
         moe_apply_quant(x, fp8, router, ids, scheme="fp8")
+    dense = {name: t.to(device) for name, t in quantize_experts(GPT_OSS_BF16, *floats).items()}
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        moe_apply_quant(x, {**dense, "w1": fp8["w1"]}, router, ids, scheme=GPT_OSS_BF16)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):  # H = 32 tokens, weights of H = 31
+        moe_apply_quant_grouped(x, {**dense, "w1": dense["w1"][:, :, :31]}, router, ids, scheme=GPT_OSS_BF16)
+    with pytest.raises(ValueError, match="lack"):
+        moe_apply_quant(x, {"w1": dense["w1"], "w2": dense["w2"]}, router, ids, scheme=GPT_OSS_BF16)
     odd = QuantScheme("fp8", fp8_block=(8, 8))  # K steps of 8 columns: too small for tl.dot
     odd_tensors = {name: t.to(device) for name, t in quantize_experts(odd, *floats).items()}
     with pytest.raises(NotImplementedError, match="scale blocks"):
@@ -214,6 +322,8 @@ MODELS = [
     pytest.param(FP8_BLOCK_128, 2048, 768, 16, 8, id="qwen3-30b-fp8"),
     # GPT-OSS-20B: H = I = 2880, MXFP4 with biases, top-4
     pytest.param(GPT_OSS_MXFP4, 2880, 2880, 8, 4, id="gpt-oss-20b"),
+    # GPT-OSS-20B in bf16 (tokens and weights): the tensor-core path of the unquantised format
+    pytest.param(GPT_OSS_BF16, 2880, 2880, 8, 4, id="gpt-oss-20b-bf16"),
 ]
 
 
@@ -223,7 +333,7 @@ MODELS = [
 @pytest.mark.parametrize("tokens", [1, 64])  # decode (GEMV) and a batch (grouped)
 def test_model_shapes_on_gpu(scheme, hidden, inter, num_experts, top_k, tokens):
     gen = torch.Generator().manual_seed(4)
-    tensors = quantize_experts(scheme, *(t.cuda() for t in float_experts(num_experts, hidden, inter, gen)))
+    tensors = quantize(scheme, [t.cuda() for t in float_experts(num_experts, hidden, inter, gen)], torch.bfloat16)
     ids = random_topk(tokens, top_k, num_experts, generator=gen).cuda()
     x = torch.randn(tokens, hidden, generator=gen).cuda().bfloat16()
     router = torch.rand(tokens, top_k, generator=gen).cuda()
@@ -234,12 +344,14 @@ def test_model_shapes_on_gpu(scheme, hidden, inter, num_experts, top_k, tokens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("scheme", [FP8_BLOCK_128, GPT_OSS_MXFP4], ids=["fp8-block", "mxfp4"])
+@pytest.mark.parametrize(
+    "scheme", [FP8_BLOCK_128, GPT_OSS_MXFP4, GPT_OSS_BF16], ids=["fp8-block", "mxfp4", "none-gpt-oss"]
+)
 @pytest.mark.parametrize("tokens", [1, 64])  # GEMV and grouped
 def test_captured_in_a_cuda_graph(scheme, tokens):
     """No host sync: a graph captures the call and replays it for new routing."""
     gen = torch.Generator().manual_seed(5)
-    tensors = quantize_experts(scheme, *(t.cuda() for t in float_experts(16, 256, 128, gen)))
+    tensors = quantize(scheme, [t.cuda() for t in float_experts(16, 256, 128, gen)], torch.bfloat16)
     x = torch.randn(tokens, 256, generator=gen).cuda().bfloat16()
     router = torch.rand(tokens, 4, generator=gen).cuda()
     ids = random_topk(tokens, 4, 16, generator=gen).cuda()
