@@ -53,3 +53,39 @@ def views(provider) -> tuple:
         [provider.slot_of(e) for e in range(provider.num_experts)],
         [provider.expert_in(s) for s in range(provider.pool.num_slots)],
     )
+
+
+def synthetic_qwen3_traces(folder, *, tokens: int = 24, layers: int = 12, seed: int = 0):
+    """A stand-in for ``shared/traces`` where it is absent (CI): the Qwen3-30B-A3B trace's
+    folder and record format (one JSONL record per token and layer, 8 distinct expert ids of
+    128), seeded random routing. Returns the folder to set as ``$EXPERTCACHE_TRACES``."""
+    import json
+    from pathlib import Path
+
+    generator = torch.Generator().manual_seed(seed)
+    window = Path(folder) / "qwen3-30b-a3b-instruct-2507__local-moe-inference-stack" / "window_0.jsonl"
+    window.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for position in range(tokens):
+        for layer in range(layers):
+            experts = torch.randperm(128, generator=generator)[:8].tolist()
+            lines.append(json.dumps({"prompt_id": 0, "token_pos": position, "layer": layer, "experts": experts}))
+    window.write_text("\n".join(lines) + "\n")
+    return Path(folder)
+
+
+def traces_env(folder) -> dict[str, str]:
+    """``os.environ`` for a benchmark subprocess, with ``$EXPERTCACHE_TRACES`` pointing at
+    synthetic traces in ``folder`` when the real ones (``../shared/traces``, ``.traces``) are absent."""
+    import os
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _common
+
+    try:
+        _common.traces_dir()
+        return dict(os.environ)
+    except FileNotFoundError:
+        return {**os.environ, "EXPERTCACHE_TRACES": str(synthetic_qwen3_traces(folder))}

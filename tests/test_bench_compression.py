@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+from helpers import traces_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -56,7 +58,7 @@ def test_the_entropy_bound_of_known_mixes():
 
 
 def _run_bench(*arguments: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env = {**traces_env(tempfile.mkdtemp(prefix="traces_")), "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), *arguments]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import traces_env
 from transformers_helpers import TINY, tiny_model
 
 from expertcache.cli import main
@@ -274,7 +276,8 @@ def test_bench_generate_dry_run():
     before = sorted((BENCHMARKS / "results").glob("*.csv"), key=str)
     stamps = [path.stat().st_mtime_ns for path in before]
     command = [sys.executable, str(BENCHMARKS / "bench_generate.py"), "--dry-run", "--trace", "--fractions", "0.25"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
+    env = traces_env(tempfile.mkdtemp(prefix="traces_"))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     table = done.stdout.split("tok/s: new tokens")[1]
     for variant in (
