@@ -120,6 +120,11 @@ def is_bound(module: nn.Module) -> bool:
     return module in _BINDINGS
 
 
+def binding_of(module: nn.Module) -> Binding | None:
+    """What serves ``module`` (its provider, recorder, ...), or None when the cache does not."""
+    return _BINDINGS.get(module)
+
+
 def resolve(module: nn.Module, name: str) -> ExpertsFunction:
     """The experts function registered as ``name`` for ``module``'s class (``"eager"``: its
     own forward). Raises KeyError for a name the registry does not hold."""

@@ -387,7 +387,7 @@ def resolve_graphs(model: nn.Module, graphs: bool | str, device: torch.device) -
 def host_syncs(model: nn.Module) -> list[str]:
     """What, in the expert cache serving ``model``, reads the device from the host every layer."""
     # dispatch keeps the one record of what serves a module; read it, don't mirror it
-    bindings = [dispatch._BINDINGS.get(module) for module in model.modules()]
+    bindings = [dispatch.binding_of(module) for module in model.modules()]
     served = [binding for binding in bindings if binding is not None]
     reasons = []
     if any(binding.provider.mode == "host" for binding in served):
