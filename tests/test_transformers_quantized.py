@@ -373,3 +373,20 @@ def test_mxfp4_on_gpu_with_the_kernels(mxfp4_checkpoint, mode):
     scale = dequantized.abs().max().item()
     torch.testing.assert_close(logits_of(model, tokens), dequantized, rtol=0, atol=MXFP4_GPU_TOLERANCE * scale)
     handle.disable()
+
+
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_graphed_generator_runs_a_served_fp8_model(family):
+    """The decode runner over packed FP8 experts (its eager path on the CPU): `model.generate`'s tokens."""
+    from expertcache.integrations.transformers import GraphedGenerator
+
+    model, _ = fp8_models(family)
+    model.eval().set_experts_implementation(QUANT_IMPLEMENTATION)
+    tokens = prompt()
+    expected = greedy_generate(model, tokens, NEW_TOKENS).tokens
+    handle = enable_expert_cache(model, cache_size=CACHE_SIZE)
+    runner = GraphedGenerator(model, max_length=tokens.shape[1] + NEW_TOKENS, graphs=False)
+    assert torch.equal(runner.generate(tokens, max_new_tokens=NEW_TOKENS), expected)
+    assert handle.stats.total.misses > 0  # the packed experts came through the slots
+    del runner
+    handle.disable()
