@@ -235,6 +235,11 @@ def test_requests_are_checked():
         runner.generate(_prompts(1), max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         runner.generate(_prompts(1), max_new_tokens=2, do_sample=True, top_p=0.0)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
+        runner.generate(_prompts(1).clamp(max=0) - 1, max_new_tokens=2)
+    with pytest.raises(ValueError, match="the model's vocabulary"):
+        runner.generate(_prompts(1) + model.get_input_embeddings().num_embeddings, max_new_tokens=2)
+    assert torch.equal(runner.generate(_prompts(1), max_new_tokens=2), runner.generate(_prompts(1), max_new_tokens=2))
     with pytest.raises(ValueError, match="max_length must be a positive int"):
         GraphedGenerator(model, max_length=0)
 

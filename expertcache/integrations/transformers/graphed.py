@@ -217,6 +217,10 @@ class GraphedGenerator:
             raise ValueError(f"input_ids are on {input_ids.device}, the model on {self.device}")
         if not 1 <= batch <= self.buckets[-1] or prompt < 1:
             raise ValueError(f"batch must be in [1, {self.buckets[-1]}] with a prompt, got {tuple(input_ids.shape)}")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        low, high = int(input_ids.min()), int(input_ids.max())  # one sync per request, before any work
+        if low < 0 or high >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}) (the model's vocabulary), got {low}..{high}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if prompt + max_new_tokens > self.max_length:
