@@ -4,7 +4,7 @@ Qwen3-30B-A3B expert shapes (H=2048, I=768, E=128, top-8, bf16, 9.4 MB per exper
 layers, routing replayed from the real Qwen3 trace: a batch of B requests is B trace
 positions spread over the trace, and row b of step s is trace token ``offset_b + s``. One
 process, one set of pinned stores shared by every variant, one apply kernel
-(`moe_apply_auto` when present, else `moe_apply`)::
+(`moe_apply_passes`: GEMV below 32 pairs, grouped GEMM above; ``--apply gemv``: GEMV only)::
 
     resident         every expert on the GPU (FullGPUProvider), CUDA graph
     stream d1, d2    whole-layer streaming, prefetch 1 / 2 layers ahead
@@ -46,6 +46,7 @@ if "--dry-run" in sys.argv:
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import inspect  # noqa: E402
 import tempfile  # noqa: E402
@@ -64,7 +65,7 @@ from layer_streaming import StreamingLayers  # noqa: E402
 
 from expertcache import CachedWeightProvider, CacheStats, FullGPUProvider, SlotPool  # noqa: E402
 from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E402
-from expertcache.kernels import moe_apply  # noqa: E402
+from expertcache.kernels import moe_apply_passes  # noqa: E402
 from expertcache.layout import layout_from_weights  # noqa: E402
 from expertcache.passes import max_passes  # noqa: E402
 from expertcache.store import CPUBackingStore  # noqa: E402
@@ -93,46 +94,20 @@ class Bench:
 # -- inputs ----------------------------------------------------------------------------------
 
 
-#: `DecodeStack`'s own apply: `moe_apply` (one call per pass) or an apply over a call's passes.
+#: `DecodeStack`'s own apply over a call's passes (`moe_apply_passes`, kernel chosen by size).
 DEFAULT_APPLY = inspect.signature(DecodeStack).parameters["apply"].default
 
 
 def resolve_apply(choice: str) -> tuple[Callable | None, str]:
     """The apply every variant runs, for `DecodeStack` (None: the stack's default).
 
-    ``auto``: `moe_apply_auto` (grouped GEMM for many pairs) when it exists, else `moe_apply`;
-    ``gemv``: `moe_apply`. Both have `moe_apply`'s per-result signature; a stack whose apply
-    takes a call's passes gets them summed over the passes in fp32, then rounded once.
+    ``default``: the stack's own; ``auto``: `moe_apply_passes` picking GEMV or grouped GEMM
+    by call size; ``gemv``: `moe_apply_passes` with the GEMV kernel only.
     """
     if choice == "default":
         return None, DEFAULT_APPLY.__name__
-    per_result, name = moe_apply, "moe_apply"
-    if choice == "auto":
-        try:
-            from expertcache.kernels.grouped_apply import moe_apply_auto
-        except ImportError:
-            name = "moe_apply (moe_apply_auto missing)"
-        else:
-            per_result, name = moe_apply_auto, "moe_apply_auto"
-    if DEFAULT_APPLY is moe_apply:  # the stack calls apply once per result
-        return per_result, name
-    return summed_over_passes(per_result), f"{name}, summed over passes"
-
-
-def summed_over_passes(apply: Callable) -> Callable:
-    """``(hidden, results, topk_weights) -> [T, H]`` from a per-result apply: fp32 sum, one rounding."""
-
-    def run(hidden: torch.Tensor, results, topk_weights: torch.Tensor) -> torch.Tensor:
-        total = None
-        for r in results:  # each pass's kernels are enqueued before the next pass is asked for
-            part = apply(hidden, r.w1, r.w2, topk_weights, r.topk_ids, w1_scale=r.w1_scale, w2_scale=r.w2_scale,
-                         fp32_out=True)  # fmt: skip
-            total = part if total is None else total + part
-        if total is None:
-            raise ValueError("the provider yielded no pass")
-        return total.to(hidden.dtype)
-
-    return run
+    kernel = "auto" if choice == "auto" else "gemv"
+    return functools.partial(moe_apply_passes, kernel=kernel), f"moe_apply_passes(kernel={kernel!r})"
 
 
 def layer_weights(shape: dict, device: torch.device, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -516,8 +491,9 @@ def main() -> None:
         print(f"CSV: {append_csv('bench_batch_prefill', [{**stamp, **r} for r in rows])}")
     else:
         rows = run_decode(bench, args, resident, lambda new: append_csv("bench_batch", [{**stamp, **r} for r in new]))
-        print_table(rows, DECODE_COLUMNS, title=f"{shape['name']} decode, {shape['layers']} layers; bound = "
-                    f"max(resident step, copied bytes / {bench.copy_gbps:.1f} GB/s); serial: resident + copies")  # fmt: skip
+        title = (f"{shape['name']} decode, {shape['layers']} layers; bound = max(resident step, copied bytes / "
+                 f"{bench.copy_gbps:.1f} GB/s); serial: resident + copies")  # fmt: skip
+        print_table(rows, DECODE_COLUMNS, title=title)
         print(f"CSV: {_common.RESULTS / 'bench_batch.csv'}")
         title = f"{shape['name']} decode, {shape['layers']} layers\n{shape['apply']}, {_common.environment()['gpu']}"
         print(f"plot: {plot(rows, args.fractions, _common.RESULTS / 'bench_batch.png', title)}")
