@@ -11,7 +11,7 @@ validates its inputs and picks the grid, and a pure-torch reference named ``*_to
     expert_apply.py  moe_apply / moe_apply_torch       slot-indexed SiLU-gated expert MLP (GEMV, decode)
     grouped_apply.py moe_apply_grouped, moe_apply_auto the same MLP as grouped GEMMs (many tokens)
     grouped_routing.py sort_pairs_by_expert / _torch   (token, choice) pairs grouped by id into padded blocks
-    quant_apply.py   moe_apply_quant / _torch           fp8 / MXFP4 (dequantised in registers) or 16-bit expert MLP (GEMV)
+    quant_apply.py   moe_apply_quant / _torch           fp8 / MXFP4 / 16-bit expert MLP, dequantised in registers
     quant_grouped.py moe_apply_quant_grouped           the same as grouped GEMMs on tensor cores
     quant_passes.py  moe_apply_quant_passes            either, summed over expert-group passes
     quant_common.py  in-register fp8 / e2m1 / e8m0 decoding, activations, input checks

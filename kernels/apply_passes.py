@@ -16,12 +16,15 @@ tensor-core GEMMs from `grouped_apply.GROUPED_MIN_PAIRS` pairs on (``kernel="aut
 choice made once per call, so all of its passes run the same kernels.
 
 so the output equals `moe_apply` on a provider holding every expert, bit for bit, and a
-CUDA graph captures it (no sync; passes of nothing cost launches only).
+CUDA graph captures it (no sync; passes of nothing cost launches only). `sum_over_passes`
+is that driver; `moe_apply_passes` and `quant_passes.moe_apply_quant_passes` differ only in
+the kernels a pass launches (`PassLaunch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +32,56 @@ from expertcache.kernels._launch import on_device
 from expertcache.kernels.expert_apply import _check, _check_scales, launch_pairs, launch_sum
 from expertcache.kernels.grouped_apply import _TENSOR_CORE_DTYPES, default_tiles, launch_grouped_pairs, takes_grouped
 from expertcache.result import ExpertWeightResult
+
+
+class PassLaunch(NamedTuple):
+    """How one pass's (token, choice) pairs are computed into the shared buffers.
+
+    Attributes:
+        num_rows: slot rows of the pass's weights (ids at or past it are skipped by the sum).
+        hidden_size: ``H``, the columns of ``part``.
+        inter_size: ``I``, the columns of ``act`` (the GEMV's intermediate buffer).
+        run: ``run(ids [T, K], weights [T, K], act [T*K, I], part [T*K, H], first)``
+            enqueues gate_up and down for the pass; ``first`` also zeroes unserved rows.
+    """
+
+    num_rows: int
+    hidden_size: int
+    inter_size: int
+    run: Callable[..., None]
+
+
+def sum_over_passes(
+    hidden: torch.Tensor,
+    results: Iterable[ExpertWeightResult],
+    topk_weights: torch.Tensor,
+    launch_of: Callable[[ExpertWeightResult], PassLaunch],
+    *,
+    fp32_out: bool = False,
+) -> torch.Tensor:
+    """The driver every pass-aware apply shares: ``launch_of(result)`` checks a pass and
+    says how to compute it; its pairs land in one ``[T*K, H]`` fp32 buffer and the sum over
+    k runs once after the last pass. Returns ``[T, H]`` (fp32 with ``fp32_out``)."""
+    tokens, top_k = topk_weights.shape
+    weights = topk_weights.contiguous()
+    part = act = ids = None
+    num_rows = 0
+    with on_device(hidden.device):
+        for index, result in enumerate(results):
+            launch = launch_of(result)
+            ids, num_rows = result.topk_ids.contiguous(), launch.num_rows
+            if part is None:
+                part = torch.empty(tokens * top_k, launch.hidden_size, dtype=torch.float32, device=hidden.device)
+                act = torch.empty(tokens * top_k, launch.inter_size, dtype=torch.float32, device=hidden.device)
+            if tokens and top_k:
+                launch.run(ids, weights, act, part, index == 0)
+        if part is None or ids is None:
+            raise ValueError("results holds no pass")
+        out = torch.zeros(tokens, part.shape[1], dtype=torch.float32 if fp32_out else hidden.dtype,
+                          device=hidden.device)  # fmt: skip
+        if tokens and top_k:
+            launch_sum(part, ids, torch.zeros(1, dtype=torch.int64, device=hidden.device), out, num_rows)
+    return out
 
 
 def moe_apply_passes(
@@ -56,35 +109,24 @@ def moe_apply_passes(
     """
     if kernel not in ("auto", "gemv", "grouped"):
         raise ValueError(f"kernel must be 'auto', 'gemv' or 'grouped', got {kernel!r}")
-    tokens, top_k = topk_weights.shape
-    grouped = None
-    out_dtype = torch.float32 if fp32_out else hidden.dtype
-    weights = topk_weights.contiguous()
-    part = act = ids = None
-    num_rows = 0
-    with on_device(hidden.device):
-        for index, result in enumerate(results):
-            _check(hidden, result.w1, result.w2, topk_weights, result.topk_ids)
-            _check_scales(result.w1, result.w2, result.w1_scale, result.w2_scale, scale_block)
-            if part is None:
-                part = torch.empty(tokens * top_k, result.w2.shape[1], dtype=torch.float32, device=hidden.device)
-                act = torch.empty(tokens * top_k, result.w2.shape[2], dtype=torch.float32, device=hidden.device)
-            ids = result.topk_ids.contiguous()
-            num_rows = result.w1.shape[0]
-            if grouped is None:
-                fits = takes_grouped(result.w1, result.w2, result.w1_scale, tokens * top_k)
-                grouped = fits if kernel == "auto" else kernel == "grouped"
-            if not tokens or not top_k:
-                continue
-            if grouped:
-                tiles = default_tiles(tokens * top_k, *result.w2.shape[1:], result.w1.dtype in _TENSOR_CORE_DTYPES)
-                launch_grouped_pairs(hidden, result.w1, result.w2, ids, weights, part, index == 0, tiles)
+    pairs = topk_weights.shape[0] * topk_weights.shape[1]
+    chosen: list[bool] = []  # grouped or not: decided at the first pass, kept for the call
+
+    def launch_of(result: ExpertWeightResult) -> PassLaunch:
+        w1, w2 = result.w1, result.w2
+        _check(hidden, w1, w2, topk_weights, result.topk_ids)
+        _check_scales(w1, w2, result.w1_scale, result.w2_scale, scale_block)
+        if not chosen:
+            chosen.append(takes_grouped(w1, w2, result.w1_scale, pairs) if kernel == "auto" else kernel == "grouped")
+
+        def run(ids, weights, act, part, first):
+            if chosen[0]:
+                tiles = default_tiles(pairs, *w2.shape[1:], w1.dtype in _TENSOR_CORE_DTYPES)
+                launch_grouped_pairs(hidden, w1, w2, ids, weights, part, first, tiles)
             else:
-                launch_pairs(hidden, result.w1, result.w2, result.w1_scale, result.w2_scale, scale_block, ids,
-                             weights, act, part, index == 0)  # fmt: skip
-        if part is None or ids is None:
-            raise ValueError("results holds no pass")
-        out = torch.zeros(tokens, part.shape[1], dtype=out_dtype, device=hidden.device)
-        if tokens and top_k:
-            launch_sum(part, ids, torch.zeros(1, dtype=torch.int64, device=hidden.device), out, num_rows)
-    return out
+                launch_pairs(hidden, w1, w2, result.w1_scale, result.w2_scale, scale_block, ids, weights, act, part,
+                             first)  # fmt: skip
+
+        return PassLaunch(w1.shape[0], w2.shape[1], w2.shape[2], run)
+
+    return sum_over_passes(hidden, results, topk_weights, launch_of, fp32_out=fp32_out)

@@ -14,8 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from expertcache.kernels._launch import on_device
-from expertcache.kernels.expert_apply import launch_sum
+from expertcache.kernels.apply_passes import PassLaunch, sum_over_passes
 from expertcache.kernels.grouped_apply import GROUPED_MIN_PAIRS
 from expertcache.kernels.quant_apply import launch_quant_pairs
 from expertcache.kernels.quant_common import quant_operands
@@ -53,31 +52,23 @@ def moe_apply_quant_passes(
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    tokens, top_k = topk_weights.shape
-    weights = topk_weights.contiguous()
-    part = act = ids = tiles = None
-    num_rows = 0
-    with on_device(hidden.device):
-        for index, result in enumerate(results):
-            ops = quant_operands(hidden, weights_of(result), topk_weights, result.topk_ids, scheme)
-            ids, num_rows = result.topk_ids.contiguous(), ops.num_rows
-            if part is None:
-                part = torch.empty(tokens * top_k, ops.hidden_size, dtype=torch.float32, device=hidden.device)
-                act = torch.empty(tokens * top_k, ops.inter_size, dtype=torch.float32, device=hidden.device)
-                tiles = _tiles_or_none(hidden, ops, tokens * top_k, kernel)
-            if not tokens or not top_k:
-                continue
-            if tiles is not None:
-                launch_quant_grouped_pairs(hidden, ops, ids, weights, part, index == 0, tiles)
+    pairs = topk_weights.shape[0] * topk_weights.shape[1]
+    chosen: list = []  # the grouped GEMM's tiles, or None for the GEMV: decided at the first pass
+
+    def launch_of(result: ExpertWeightResult) -> PassLaunch:
+        ops = quant_operands(hidden, weights_of(result), topk_weights, result.topk_ids, scheme)
+        if not chosen:
+            chosen.append(_tiles_or_none(hidden, ops, pairs, kernel))
+
+        def run(ids, weights, act, part, first):
+            if chosen[0] is not None:
+                launch_quant_grouped_pairs(hidden, ops, ids, weights, part, first, chosen[0])
             else:
-                launch_quant_pairs(hidden, ops, ids, weights, act, part, index == 0)
-        if part is None or ids is None:
-            raise ValueError("results holds no pass")
-        out = torch.zeros(tokens, part.shape[1], dtype=torch.float32 if fp32_out else hidden.dtype,
-                          device=hidden.device)  # fmt: skip
-        if tokens and top_k:
-            launch_sum(part, ids, torch.zeros(1, dtype=torch.int64, device=hidden.device), out, num_rows)
-    return out
+                launch_quant_pairs(hidden, ops, ids, weights, act, part, first)
+
+        return PassLaunch(ops.num_rows, ops.hidden_size, ops.inter_size, run)
+
+    return sum_over_passes(hidden, results, topk_weights, launch_of, fp32_out=fp32_out)
 
 
 def _tiles_or_none(hidden, ops, num_pairs: int, kernel: str) -> tuple[int, ...] | None:
