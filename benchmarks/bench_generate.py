@@ -5,6 +5,14 @@ vocabulary, so memory is experts):
 
     qwen3-30b-a3b   48 layers x 128 experts of 2048 x 768, top-8, bf16 (9.4 MB per expert)
     gpt-oss-20b     24 layers x 32 experts of 2880 x 2880, top-4, bf16, with biases
+    deepseek-v3     4 layers x 256 experts of 7168 x 2048, top-8 (one dense layer first, a shared
+                    expert per layer)
+
+``--experts-format`` quantizes the random experts on the device into a checkpoint's packed
+format (`quantized.quantize_experts`) before anything runs: ``fp8`` (e4m3, 128 x 128 block
+scales, transformers' FP8Experts: Qwen3-MoE, DeepSeek-V3) or ``mxfp4`` (GPT-OSS's, our
+Mxfp4Experts); every run then computes with the ``expertcache_quant`` kernels (resident too),
+and the cache holds the packed bytes. No accelerate variant there (it offloads float weights).
 
 Variants, side by side (``--variants`` picks some):
 
@@ -31,13 +39,26 @@ same model: every router's top-k ids are replaced by the trace's (cycled), read 
 device from a cursor the last MoE layer advances, so graphs replay it too. Without it random
 weights route close to uniformly, a worst case for a cache.
 
+Two speeds per decode run: ``tok_per_s`` = new tokens / wall time of the whole call (prefill
+included), and ``decode_tok_per_s`` = (N - 1) / (time of the call with N new tokens - time of
+the same call with one), prefill excluded; the copies per decode token come from the same
+difference of the cache's counts. ``x_resident``: the decode step over the resident step of
+the same runner (eager or graphed); ``x_bound``: over that resident step + the step's copied
+bytes at the pinned copy-engine bandwidth measured in the process (a 64 MiB copy): a layer's
+misses are known only after its router, so copies and compute add up.
+
+``--cache-sizes`` adds slot counts per layer to the fractions' (with ``global``: that many x
+layers in one pool), e.g. the same GPU bytes as a packed model's cache.
+
 Prints a table and appends one row per run, stamped with GPU name, versions and commit, to
 ``benchmarks/results/bench_generate.csv``. ``--dry-run``: a tiny model on the CPU in seconds
 (graphed variants take the eager path, caches host mode, no accelerate, no CSV).
 
     python benchmarks/bench_generate.py --model qwen3-30b-a3b [--layers 48] [--trace]
     python benchmarks/bench_generate.py --model gpt-oss-20b --variants resident-eager cache-graphed
-    python benchmarks/bench_generate.py --dry-run [--trace]
+    python benchmarks/bench_generate.py --model gpt-oss-20b --experts-format mxfp4 --cache-sizes 10
+    python benchmarks/bench_generate.py --model deepseek-v3 --experts-format fp8
+    python benchmarks/bench_generate.py --dry-run [--trace] [--experts-format fp8|mxfp4]
 """
 
 from __future__ import annotations
@@ -53,24 +74,28 @@ import torch.nn.functional as F
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_csv, environment, print_table, traces_dir  # noqa: E402
+from _common import append_csv, environment, pinned_copy_gbps, print_table, traces_dir  # noqa: E402
 
 from expertcache.integrations.transformers import enable_expert_cache  # noqa: E402
 from expertcache.integrations.transformers.generation import GenerationRun, greedy_generate  # noqa: E402
 from expertcache.integrations.transformers.graphed import GraphedGenerator, timed_generate  # noqa: E402
+from expertcache.integrations.transformers.quantized import QUANT_IMPLEMENTATION, quantize_experts  # noqa: E402
 from expertcache.integrations.transformers.random_models import ModelSizes, random_model  # noqa: E402
 from expertcache.stats import CacheStats  # noqa: E402
 
 PRESETS = {
     "qwen3-30b-a3b": dict(family="qwen3_moe", layers=48, experts=128, top_k=8, hidden=2048, intermediate=768),
     "gpt-oss-20b": dict(family="gpt_oss", layers=24, experts=32, top_k=4, hidden=2880, intermediate=2880),
+    "deepseek-v3": dict(family="deepseek_v3", layers=4, experts=256, top_k=8, hidden=7168, intermediate=2048),
     # --dry-run: Qwen3's routing shape (so --trace works), tiny matrices
     "tiny": dict(family="qwen3_moe", layers=2, experts=128, top_k=8, hidden=32, intermediate=24),
+    "tiny-gpt-oss": dict(family="gpt_oss", layers=2, experts=32, top_k=4, hidden=64, intermediate=32),
 }
 VARIANTS = ("resident-eager", "resident-graphed", "resident-ttft", "cache-eager", "cache-graphed", "cache-ttft",
             "accelerate", "accelerate-ttft")  # fmt: skip
-COLUMNS = ("variant", "budget", "slots", "tok_per_s", "ttft_s", "same_tokens", "hit_rate", "mb_copied",
-           "expert_mb_gpu", "peak_mb")  # fmt: skip
+COLUMNS = ("variant", "budget", "slots", "tok_per_s", "decode_tok_per_s", "x_resident", "x_bound", "ttft_s",
+           "same_tokens", "hit_rate", "mb_copied", "mb_per_decode_token", "expert_mb_gpu", "peak_mb")  # fmt: skip
+FORMATS = ("float", "fp8", "mxfp4")
 
 
 def _arguments() -> argparse.Namespace:
@@ -87,21 +112,50 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--ttft-tokens", type=int, default=1024)
     parser.add_argument("--accelerate-new-tokens", type=int, default=4, help="accelerate decodes ~0.1-1 tok/s")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    parser.add_argument(
+        "--cache-sizes",
+        type=int,
+        nargs="+",
+        default=[],
+        help="slots per layer besides the fractions' (global: that many x layers in one pool)",
+    )
+    parser.add_argument(
+        "--experts-format",
+        choices=FORMATS,
+        default="float",
+        help="fp8: e4m3 128x128 blocks (FP8Experts); mxfp4: GPT-OSS's (Mxfp4Experts)",
+    )
     parser.add_argument("--budgets", nargs="+", choices=("per-layer", "global"), default=["per-layer", "global"])
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=None, help="default: all (no accelerate for packed experts)"
+    )
     parser.add_argument(
         "--eager-cache-mode",
         choices=("device", "host"),
         default="device",
         help="cache mode of cache-eager (device: the graphed run's cache, one enable for both)",
     )
-    parser.add_argument("--experts-implementation", default="batched_mm", help="for every decode run")
+    parser.add_argument(
+        "--experts-implementation",
+        default=None,
+        help="for every decode run (default: batched_mm; packed experts: expertcache_quant)",
+    )
     parser.add_argument("--trace", action="store_true", help="route by the real Qwen3-30B-A3B trace")
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU, no CSV")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
     args = parser.parse_args()
+    packed = args.experts_format != "float"
+    if args.variants is None:
+        args.variants = [v for v in VARIANTS if not (packed and v.startswith("accelerate"))]
+    elif packed and any(v.startswith("accelerate") for v in args.variants):
+        parser.error("the accelerate variants offload float experts only: drop them with --experts-format")
+    if args.experts_implementation is None:
+        args.experts_implementation = QUANT_IMPLEMENTATION if packed else "batched_mm"
+    # the long TTFT prompt: grouped_mm for float experts (see the docstring), packed: the kernels
+    args.prefill_implementation = QUANT_IMPLEMENTATION if packed else "grouped_mm"
     if args.dry_run:
-        args.model, args.device = "tiny", args.device or "cpu"
+        args.model = "tiny-gpt-oss" if args.experts_format == "mxfp4" else "tiny"
+        args.device = args.device or "cpu"
         args.heads, args.head_dim, args.vocab = 4, 8, 128
         args.prompt_tokens, args.new_tokens, args.warmup_tokens, args.ttft_tokens = 6, 6, 3, 24
         args.variants = [v for v in args.variants if not v.startswith("accelerate")]
@@ -111,6 +165,12 @@ def _arguments() -> argparse.Namespace:
         if getattr(args, key, None) is None:  # --layers overrides the preset's depth
             setattr(args, key, value)
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    wrong = [size for size in args.cache_sizes if not args.top_k <= size <= args.experts]
+    if wrong:
+        parser.error(f"--cache-sizes {wrong}: slots per layer go from the top-k {args.top_k} to {args.experts}")
+    needs = {"fp8": ("qwen3_moe", "deepseek_v3"), "mxfp4": ("gpt_oss",)}.get(args.experts_format)
+    if needs and args.family not in needs:
+        parser.error(f"--experts-format {args.experts_format} needs a {' or '.join(needs)} model, not {args.family}")
     if args.trace and (args.family, args.experts, args.top_k) != ("qwen3_moe", 128, 8):
         parser.error("--trace replays the Qwen3-30B-A3B trace: it needs a qwen3-30b-a3b-shaped model")
     if any(v.startswith("accelerate") for v in args.variants) and args.device.type != "cuda":
@@ -178,6 +238,8 @@ def _build(args) -> Bench:
         intermediate=args.intermediate, vocab=args.vocab, heads=args.heads, head_dim=args.head_dim,
     )  # fmt: skip
     model = random_model(args.family, sizes, dtype=args.dtype, device=args.device)
+    if args.experts_format != "float":  # the checkpoint's packed format, quantized on the device
+        quantize_experts(model, args.experts_format, block=(128, 128))
     model.set_experts_implementation(args.experts_implementation)
     routing = None
     if args.trace:
@@ -192,14 +254,66 @@ def _build(args) -> Bench:
     return Bench(args, model, prompt.to(args.device), ttft_prompt.to(args.device), routing, expert_bytes)
 
 
+@dataclasses.dataclass
+class Measured:
+    """A decode measurement: the timed call (prompt + N new tokens) and the same prompt with
+    one new token (prefill and the first step); decode speed is their difference."""
+
+    run: GenerationRun
+    first: GenerationRun
+    stats: CacheStats | None = None  # the cache's counts over ``run``
+    first_stats: CacheStats | None = None  # over ``first``
+
+    @property
+    def step_seconds(self) -> float:
+        """Wall time of one decode step (``B`` tokens), prefill excluded."""
+        return (self.run.seconds - self.first.seconds) / max(1, self.run.new_tokens - 1)
+
+    @property
+    def step_bytes(self) -> float | None:
+        """Bytes the cache copied per decode step (the calls' difference, like the time)."""
+        if self.stats is None or self.first_stats is None:
+            return None
+        return (self.stats.bytes_h2d - self.first_stats.bytes_h2d) / max(1, self.run.new_tokens - 1)
+
+
 def _difference(after: CacheStats, before: CacheStats) -> CacheStats:
     names = [field.name for field in dataclasses.fields(CacheStats)]
     return CacheStats(**{name: getattr(after, name) - getattr(before, name) for name in names})
 
 
-def _row(bench: Bench, variant: str, run: GenerationRun, *, handle=None, before=None, budget="", slots="") -> dict:
-    """One decode or TTFT row; the tokens are checked against the first resident run's."""
-    ttft = variant.endswith("ttft")
+def _measure(bench: Bench, generate, handle=None) -> Measured:
+    """``generate(n)`` after a warm-up call (first calls, compiles, graph capture), once with
+    one new token and once with ``--new-tokens``, the routing trace restarted for each."""
+
+    def counted(tokens: int) -> tuple[GenerationRun, CacheStats | None]:
+        bench.reset_routing()
+        before = None if handle is None else handle.stats.total
+        run = generate(tokens)
+        return run, None if handle is None else _difference(handle.stats.total, before)
+
+    counted(bench.args.warmup_tokens)
+    first, first_stats = counted(1)
+    run, stats = counted(bench.args.new_tokens)
+    return Measured(run, first, stats, first_stats)
+
+
+def _eager(bench: Bench, handle=None) -> Measured:
+    return _measure(bench, lambda tokens: greedy_generate(bench.model, bench.prompt, tokens), handle)
+
+
+def _graphed(bench: Bench, handle=None) -> Measured:
+    runner = GraphedGenerator(
+        bench.model, max_length=bench.prompt.shape[1] + bench.args.new_tokens, max_batch_size=bench.prompt.shape[0]
+    )
+    return _measure(bench, lambda tokens: timed_generate(runner, bench.prompt, tokens), handle)  # runner: this frame
+
+
+def _row(bench: Bench, variant: str, measured, *, handle=None, budget="", slots="") -> dict:
+    """One decode (`Measured`) or TTFT (`GenerationRun`) row; the tokens are checked against the
+    first resident run's of the same phase."""
+    ttft = isinstance(measured, GenerationRun)
+    run = measured if ttft else measured.run
     if variant.startswith("resident"):  # the first resident run of each phase is the reference
         if ttft and bench.ttft_reference is None:
             bench.ttft_reference = run.tokens
@@ -209,17 +323,23 @@ def _row(bench: Bench, variant: str, run: GenerationRun, *, handle=None, before=
     if reference is not None:
         reference = reference[:, : run.tokens.shape[1]]  # accelerate makes fewer tokens
     same = "n/a" if reference is None else bool(torch.equal(run.tokens, reference))
-    stats = None if handle is None else _difference(handle.stats.total, before)
+    stats = None if handle is None or ttft else measured.stats
+    step_bytes = None if ttft else measured.step_bytes
     row = {
         "variant": variant, "budget": budget, "slots": slots,
         "tok_per_s": "" if ttft else round(run.tokens_per_second, 2),
+        "decode_tok_per_s": "" if ttft else round(bench.prompt.shape[0] / measured.step_seconds, 2),
+        "x_resident": "", "x_bound": "",  # filled in by _ratios
         "ttft_s": round(run.seconds, 4) if ttft else "",
         "same_tokens": same,  # n/a: no resident run of this phase in this process
         "hit_rate": "" if stats is None else round(stats.hit_rate, 4),
         "mb_copied": "" if stats is None else round(stats.bytes_h2d / 1e6, 1),
+        "mb_per_decode_token": "" if step_bytes is None else round(step_bytes / bench.prompt.shape[0] / 1e6, 2),
         "expert_mb_gpu": round((bench.expert_bytes if handle is None else handle.slot_bytes) / 1e6, 1),
         "peak_mb": "" if run.peak_bytes is None else round(run.peak_bytes / 1e6, 1),
     }  # fmt: skip
+    row["_step_s"] = None if ttft else measured.step_seconds
+    row["_step_bytes"] = step_bytes
     print(
         f"  {' '.join(map(str, (variant, budget, slots))).strip()}: "
         + ", ".join(f"{k} {row[k]}" for k in COLUMNS[3:] if row[k] != "")
@@ -227,27 +347,26 @@ def _row(bench: Bench, variant: str, run: GenerationRun, *, handle=None, before=
     return row
 
 
-def _eager(bench: Bench) -> GenerationRun:
-    bench.reset_routing()
-    greedy_generate(bench.model, bench.prompt, bench.args.warmup_tokens)
-    bench.reset_routing()
-    return greedy_generate(bench.model, bench.prompt, bench.args.new_tokens)
-
-
-def _graphed(bench: Bench) -> GenerationRun:
-    runner = GraphedGenerator(
-        bench.model, max_length=bench.prompt.shape[1] + bench.args.new_tokens, max_batch_size=bench.prompt.shape[0]
-    )
-    bench.reset_routing()
-    runner.generate(bench.prompt, max_new_tokens=bench.args.warmup_tokens)  # warm-up steps, capture
-    bench.reset_routing()
-    return timed_generate(runner, bench.prompt, bench.args.new_tokens)  # the runner goes with this frame
+def _ratios(rows: list[dict], copy_gbps: float) -> None:
+    """Decode step over the resident step of the same runner (eager or graphed), and over the
+    serial bound: that resident step + the step's copied bytes at the pinned bandwidth."""
+    resident = {row["variant"].split("-")[1]: row["_step_s"] for row in rows
+                if row["variant"] in ("resident-eager", "resident-graphed")}  # fmt: skip
+    for row in rows:
+        kind = row["variant"].split("-")[-1]
+        if row["_step_s"] is None or kind not in resident:
+            continue
+        row["x_resident"] = round(row["_step_s"] / resident[kind], 3)
+        if row["_step_bytes"] is not None:
+            bound = resident[kind] + row["_step_bytes"] / (copy_gbps * 1e9)
+            row["x_bound"] = round(row["_step_s"] / bound, 3)
 
 
 def _ttft(bench: Bench) -> GenerationRun:
     """First token of the long prompt, after a short warm-up prompt; prefilled with grouped_mm
-    (served blocks follow the switch too), then back to the decode implementation."""
-    bench.model.set_experts_implementation("grouped_mm")
+    (packed experts: the kernels; served blocks follow the switch too), then back to the
+    decode implementation."""
+    bench.model.set_experts_implementation(bench.args.prefill_implementation)
     try:
         bench.reset_routing()
         greedy_generate(bench.model, bench.ttft_prompt[:, :64], 1)
@@ -265,28 +384,32 @@ def _mode(args) -> str:
     return "device" if args.device.type == "cuda" else "host"  # device mode on the CPU: interpreted, slow
 
 
-def _cache_runs(bench: Bench, fraction: float, budget: str) -> list[dict]:
+def _cache_runs(bench: Bench, slots: int, budget: str) -> list[dict]:
     """One cache size and budget: eager and graphed decode, then TTFT, on one enable (the
     served blocks follow ``set_experts_implementation``, so TTFT prefills with grouped_mm)."""
     args, rows = bench.args, []
-    slots = _cache_size(args, fraction)
     label = {"budget": budget, "slots": slots}
     wanted = {variant for variant in args.variants if variant.startswith("cache-")}
     if "cache-eager" in wanted and args.eager_cache_mode != _mode(args):
         handle = enable_expert_cache(bench.model, cache_size=slots, budget=budget, mode=args.eager_cache_mode)
-        before = handle.stats.total
-        rows.append(_row(bench, "cache-eager", _eager(bench), handle=handle, before=before, **label))
+        rows.append(_row(bench, "cache-eager", _eager(bench, handle), handle=handle, **label))
         handle.disable()
         wanted.discard("cache-eager")
     if not wanted:
         return rows
     handle = enable_expert_cache(bench.model, cache_size=slots, budget=budget, mode=_mode(args))
-    for variant, run in (("cache-eager", _eager), ("cache-graphed", _graphed), ("cache-ttft", _ttft)):
+    for variant, measure in (("cache-eager", _eager), ("cache-graphed", _graphed)):
         if variant in wanted:
-            before = handle.stats.total
-            rows.append(_row(bench, variant, run(bench), handle=handle, before=before, **label))
+            rows.append(_row(bench, variant, measure(bench, handle), handle=handle, **label))
+    if "cache-ttft" in wanted:
+        rows.append(_row(bench, "cache-ttft", _ttft(bench), handle=handle, **label))
     handle.disable()  # after the runner (and its graphs) went with _graphed's frame
     return rows
+
+
+def _cache_sizes(args) -> list[int]:
+    sizes = [_cache_size(args, fraction) for fraction in args.fractions] + list(args.cache_sizes)
+    return list(dict.fromkeys(sizes))  # in order, once each
 
 
 def _accelerate_runs(bench: Bench) -> list[dict]:
@@ -310,12 +433,9 @@ def _accelerate_runs(bench: Bench) -> list[dict]:
     label = {"budget": f"{budget / 1e9:.1f} GB", "slots": ""}
     rows = []
     if "accelerate" in args.variants:
-        bench.reset_routing()
-        greedy_generate(model, bench.prompt, 1)  # warm-up
-        bench.reset_routing()
-        rows.append(
-            _row(bench, "accelerate", greedy_generate(model, bench.prompt, args.accelerate_new_tokens), **label)
-        )
+        timed = argparse.Namespace(**{**vars(args), "warmup_tokens": 1, "new_tokens": args.accelerate_new_tokens})
+        measured = _measure(dataclasses.replace(bench, args=timed), lambda n: greedy_generate(model, bench.prompt, n))
+        rows.append(_row(bench, "accelerate", measured, **label))
     if "accelerate-ttft" in args.variants:
         rows.append(_row(bench, "accelerate-ttft", _ttft(bench), **label))
     return rows
@@ -335,6 +455,8 @@ def main() -> None:
         f"experts {bench.expert_bytes / 1e9:.2f} GB; batch {args.batch}, prompt {args.prompt_tokens}, "
         f"{args.new_tokens} new tokens; routing {'the Qwen3-30B-A3B trace' if args.trace else 'the random router'}"
     )
+    copy_gbps = pinned_copy_gbps(64 * 2**20) if args.device.type == "cuda" else float("inf")
+    print(f"pinned host -> GPU copy engine, 64 MiB: {copy_gbps:.1f} GB/s (the bound's bandwidth)")
     rows = []
     if "resident-eager" in args.variants:
         rows.append(_row(bench, "resident-eager", _eager(bench)))
@@ -342,19 +464,25 @@ def main() -> None:
         rows.append(_row(bench, "resident-graphed", _graphed(bench)))
     if "resident-ttft" in args.variants:
         rows.append(_row(bench, "resident-ttft", _ttft(bench)))
-    for fraction in args.fractions:
+    for slots in _cache_sizes(args):
         for budget in args.budgets:
-            rows.extend(_cache_runs(bench, fraction, budget))
+            rows.extend(_cache_runs(bench, slots, budget))
     if any(v.startswith("accelerate") for v in args.variants):  # last: dispatch_model leaves its hooks
         try:
             rows.extend(_accelerate_runs(bench))
         except ImportError as error:
             print(f"accelerate variants skipped: {error}")
-    _report(args, rows)
+    _ratios(rows, copy_gbps)
+    _report(args, rows, copy_gbps)
 
 
-def _report(args, rows: list[dict]) -> None:
+def _report(args, rows: list[dict], copy_gbps: float) -> None:
+    for row in rows:
+        del row["_step_s"], row["_step_bytes"]
     print_table(rows, COLUMNS, title="tok/s: new tokens / wall time of the timed call (prefill included)")
+    print("decode_tok_per_s: (N - 1) tokens / (time of N new tokens - time of 1), prefill excluded; x_resident:")
+    print("  the decode step over the resident step of the same runner; x_bound: over that step + the step's")
+    print(f"  copied bytes (mb_per_decode_token, the same difference) at {copy_gbps:.1f} GB/s")
     mismatches = [f"{r['variant']} {r['budget']} {r['slots']}".strip() for r in rows if r["same_tokens"] is False]
     unchecked = sum(r["same_tokens"] == "n/a" for r in rows)
     print(f"tokens differ from the resident run's: {', '.join(mismatches)}" if mismatches else "same tokens: all runs")
@@ -370,6 +498,7 @@ def _report(args, rows: list[dict]) -> None:
         "implementation": args.experts_implementation, "batch": args.batch,
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "ttft_tokens": args.ttft_tokens, "routing": "qwen3-trace" if args.trace else "router",
+        "experts_format": args.experts_format, "copy_gbps": round(copy_gbps, 2),
     }  # fmt: skip
     path = append_csv("bench_generate", [{**setup, **row} for row in rows])
     print(f"appended {len(rows)} rows to {path}")

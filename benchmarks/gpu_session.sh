@@ -6,7 +6,8 @@
 #        compression decode-compressed: exponent coding (ratio, decode-copy bursts, DFloat11 beside
 #        it when its wheel, dahuffman's and cupy import) and the decode step raw vs coded)
 #   graphed: GraphedGenerator's tests (graphs on the GPU); quant: bench_quant.py
-#   suite: the README's test command, the WHOLE suite (python3 -m pytest -q); tests: only -m gpu
+#   suite: the README's test command, the WHOLE suite (python3 -m pytest -q); suite-parallel: the
+#   same over pytest-xdist workers (its wheel and execnet's in .whl/); tests: only -m gpu
 # Logs and CSVs go to $OUT (or ./gpu-out). Carried wheels in .whl/ (flashlib) are installed
 # into /tmp/site first. Each step has its own time limit, so one failure doesn't stop the rest.
 set -u
@@ -38,7 +39,20 @@ for step in $steps; do
     decode-deepseek) timeout 400 python3 benchmarks/bench_decode.py --shape deepseek-v3 2>&1 | tee "$OUT/bench_decode_deepseek.log" ;;
     demo) timeout 300 python3 -m expertcache.cli demo 2>&1 | tee "$OUT/demo.log" ;;
     families) timeout 300 python3 benchmarks/family_equivalence.py --device cuda 2>&1 | tee "$OUT/family_equivalence.log" ;;
-    generate) timeout 420 python3 benchmarks/bench_generate.py --layers 12 2>&1 | tee "$OUT/bench_generate.log" ;;
+    generate)  # GENERATE_ARGS: one or more argument sets separated by '|', one process each
+      IFS='|' read -ra sets <<< "${GENERATE_ARGS:---layers 12}"
+      for arguments in "${sets[@]}"; do
+        echo "--- bench_generate.py $arguments"
+        timeout ${GENERATE_TIMEOUT:-420} python3 benchmarks/bench_generate.py $arguments 2>&1 | tee -a "$OUT/bench_generate.log"
+      done ;;
+    suite-parallel)  # the same suite in SUITE_WORKERS processes (pytest-xdist carried in .whl/), then
+      # whatever failed once more, serially: a failure of both is a failure
+      timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -n ${SUITE_WORKERS:-6} -o cache_dir=/tmp/pytest-cache \
+        --durations=12 2>&1 | tee "$OUT/suite.log" | tail -40
+      if grep -qE "[0-9]+ (failed|error)" "$OUT/suite.log"; then
+        echo "--- failed tests again, serially"
+        timeout 300 python3 -m pytest -q --lf -o cache_dir=/tmp/pytest-cache -rfE 2>&1 | tee "$OUT/suite_rerun.log" | tail -30
+      fi ;;
     apply) timeout 240 python3 benchmarks/bench_apply.py 2>&1 | tee "$OUT/bench_apply.log" ;;
     batch) timeout ${BATCH_TIMEOUT:-420} python3 benchmarks/bench_batch.py ${BATCH_ARGS:-} 2>&1 | tee "$OUT/bench_batch.log" ;;
     prefill) timeout ${PREFILL_TIMEOUT:-300} python3 benchmarks/bench_batch.py ${PREFILL_ARGS:---prefill 1024 4096} 2>&1 | tee "$OUT/bench_prefill.log" ;;

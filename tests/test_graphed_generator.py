@@ -344,7 +344,7 @@ def _gpu_model(family: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("batch", [1, 4])
 def test_graphed_device_mode_cache_matches_generate(family, batch):
     model = _gpu_model(family)

@@ -29,10 +29,10 @@ from expertcache.integrations.transformers.quantized import (
     QUANT_IMPLEMENTATION,
     Mxfp4Experts,
     load_mxfp4_experts,
+    quantize_experts,
 )
 from expertcache.integrations.transformers.random_models import ModelSizes, random_model
 from expertcache.manifest import build_manifest
-from expertcache.quant_fp8 import quantize_fp8_blocks
 from expertcache.quant_mxfp4 import quantize_mxfp4
 
 finegrained_fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
@@ -49,35 +49,19 @@ def _experts(model) -> dict[str, nn.Module]:
     return {name: module for name, module in model.named_modules() if name.endswith("mlp.experts")}
 
 
-def _fp8_quantize(weight: torch.Tensor, block, gate_up: bool):
-    if block is not None:
-        return quantize_fp8_blocks(weight, block)
-    rows, cols = weight.shape[-2:]  # per tensor: transformers keeps gate and up halves apart
-    return quantize_fp8_blocks(weight, (rows // 2, cols) if gate_up else (rows, cols))
-
-
 def fp8_models(family: str, block=BLOCK, *, device: str = "cpu", dtype=torch.float32):
     """``(packed, dequantized)``: the model with transformers' ``FP8Experts`` holding
-    random e4m3 weights and scales, and the same model with transformers' dequantization of
-    them as plain float experts."""
-    from transformers import FineGrainedFP8Config
-
+    random e4m3 weights and scales (`quantize_experts`), and the same model with
+    transformers' dequantization of them as plain float experts."""
     packed = random_model(family, SIZES, dtype=dtype)
     dequantized = random_model(family, SIZES, dtype=dtype)
-    floats = {
-        name: (m.gate_up_proj.detach().float(), m.down_proj.detach().float()) for name, m in _experts(packed).items()
-    }
-    config = FineGrainedFP8Config(weight_block_size=block)
-    # only the experts become FP8 (FP8Linear would need the hub kernel too)
-    finegrained_fp8.replace_with_fp8_linear(packed, modules_to_not_convert=[r"(?!.*\.experts$).*"],
-                                            quantization_config=config, pre_quantized=True)  # fmt: skip
+    assert quantize_experts(packed, "fp8", block=block) == list(_experts(dequantized))
     reference = finegrained_fp8.Fp8Dequantize(None)
     for name, module in _experts(packed).items():
         assert isinstance(module, finegrained_fp8.FP8Experts)
-        for proj, weight in zip(("gate_up_proj", "down_proj"), floats[name], strict=True):
-            values, scales = _fp8_quantize(weight, block, proj == "gate_up_proj")
-            setattr(module, proj, nn.Parameter(values, requires_grad=False))
-            setattr(module, f"{proj}_scale_inv", nn.Parameter(scales, requires_grad=False))
+        for proj in ("gate_up_proj", "down_proj"):
+            values, scales = module.get_parameter(proj), module.get_parameter(f"{proj}_scale_inv")
+            assert values.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
             target = dequantized.get_submodule(name).get_parameter(proj)
             target.data = reference._dequantize_one(values, scales, output_dtype=dtype)
     return packed.to(device), dequantized.to(device)
@@ -294,6 +278,44 @@ def test_mxfp4_gpt_oss_is_served_packed(mxfp4_checkpoint, implementation, budget
     handle.disable()
 
 
+def test_quantize_experts_writes_the_checkpoints_format():
+    """MXFP4 in place = the blocks and scales of a checkpoint written from the same weights;
+    FP8 per tensor keeps gate and up scales apart ([E, 2, 1]) as transformers does."""
+    model = random_model("gpt_oss", SIZES)
+    floats = {name: m.gate_up_proj.detach().clone() for name, m in _experts(model).items()}
+    biases = {name: m.down_proj_bias.detach().clone() for name, m in _experts(model).items()}
+    assert quantize_experts(model, "mxfp4") == list(floats)
+    for name, module in _experts(model).items():
+        blocks, scales = quantize_mxfp4(floats[name].transpose(1, 2))
+        assert isinstance(module, Mxfp4Experts)
+        assert torch.equal(module.gate_up_proj, blocks.flatten(-2)) and torch.equal(module.gate_up_proj_scales, scales)
+        assert torch.equal(module.down_proj_bias, biases[name])
+    per_tensor = random_model("qwen3_moe", SIZES)
+    quantize_experts(per_tensor, "fp8", block=None)
+    module = next(iter(_experts(per_tensor).values()))
+    assert module.gate_up_proj_scale_inv.shape == (SIZES.num_experts, 2, 1)
+    assert module.down_proj_scale_inv.shape == (SIZES.num_experts, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "family, fmt, match",
+    [
+        ("qwen3_moe", "int4", "unknown expert format 'int4'"),
+        ("gpt_oss", "fp8", "fp8 quantization needs float gated experts without biases"),
+        ("qwen3_moe", "mxfp4", "mxfp4 quantization needs float GPT-OSS experts"),
+        ("quantized", "fp8", "nothing was replaced"),  # already packed
+    ],
+)
+def test_quantize_experts_refuses_what_it_cannot_write(family, fmt, match):
+    model = fp8_models("qwen3_moe")[0] if family == "quantized" else random_model(family, SIZES)
+    before = {name: (type(m), m.gate_up_proj.detach().clone()) for name, m in _experts(model).items()}
+    with pytest.raises(ValueError, match=match):
+        quantize_experts(model, fmt)
+    after = {name: (type(m), m.gate_up_proj.detach()) for name, m in _experts(model).items()}
+    assert {n: t for n, (t, _) in after.items()} == {n: t for n, (t, _) in before.items()}
+    assert all(torch.equal(after[n][1].view(torch.uint8), w.view(torch.uint8)) for n, (_, w) in before.items())
+
+
 def test_load_mxfp4_experts_needs_matching_modules(mxfp4_checkpoint):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -388,5 +410,25 @@ def test_graphed_generator_runs_a_served_fp8_model(family):
     runner = GraphedGenerator(model, max_length=tokens.shape[1] + NEW_TOKENS, graphs=False)
     assert torch.equal(runner.generate(tokens, max_new_tokens=NEW_TOKENS), expected)
     assert handle.stats.total.misses > 0  # the packed experts came through the slots
+    del runner
+    handle.disable()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", [*FP8_FAMILIES, "gpt_oss"])
+def test_graphed_generator_over_quantized_experts_on_gpu(family):
+    """bf16 on the H200: packed experts (FP8 128-blocks here 16, MXFP4 for GPT-OSS) served by a
+    device-mode cache inside the runner's CUDA graphs give the uncached model's tokens."""
+    from expertcache.integrations.transformers import GraphedGenerator
+
+    model = random_model(family, SIZES, dtype=torch.bfloat16).cuda()
+    quantize_experts(model, "mxfp4" if family == "gpt_oss" else "fp8", block=BLOCK)
+    model.eval().set_experts_implementation(QUANT_IMPLEMENTATION)
+    tokens = prompt(device="cuda")
+    expected = greedy_generate(model, tokens, NEW_TOKENS).tokens
+    handle = enable_expert_cache(model, cache_size=CACHE_SIZE, mode="device")
+    runner = GraphedGenerator(model, max_length=tokens.shape[1] + NEW_TOKENS, graphs=True)
+    assert torch.equal(runner.generate(tokens, max_new_tokens=NEW_TOKENS).cpu(), expected)
+    assert runner.replays > 0 and handle.stats.total.misses > 0  # served in the graphs
     del runner
     handle.disable()

@@ -43,8 +43,8 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface, use_experts_implementation
 
 from expertcache.quant import QuantScheme, gated_moe_forward
-from expertcache.quant_fp8 import dequantize_fp8_blocks
-from expertcache.quant_mxfp4 import GROUP, dequantize_mxfp4, mxfp4_groups
+from expertcache.quant_fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+from expertcache.quant_mxfp4 import GROUP, dequantize_mxfp4, mxfp4_groups, quantize_mxfp4
 from expertcache.result import ExpertWeightResult
 
 QUANT_IMPLEMENTATION = "expertcache_quant"
@@ -321,6 +321,72 @@ def _safetensors_reader(directory: str | os.PathLike):
             return handle.get_tensor(key)
 
     return read, set(file_of)
+
+
+def quantize_experts(model: nn.Module, fmt: str, *, block: tuple[int, int] | None = (128, 128)) -> list[str]:
+    """Quantize a float model's routed experts in place into a checkpoint's packed format.
+
+    For tests and benchmarks over random weights (a real checkpoint arrives packed). Modules
+    are replaced one at a time, a few experts quantized at once, so the peak memory stays
+    near the float model's.
+
+    Args:
+        model: a transformers model with float experts (``mlp.experts`` modules).
+        fmt: ``"fp8"``: transformers' ``FP8Experts`` (e4m3 values, fp32 ``*_scale_inv``), for
+            gated experts without biases (Qwen3-MoE, DeepSeek-V3, ...); ``"mxfp4"``: an
+            `Mxfp4Experts` (e2m1 blocks, e8m0 scales per 32 values, biases kept), for GPT-OSS.
+        block: FP8 scale block (rows, columns); None: per tensor (gate and up apart, as
+            transformers keeps them). Not used by MXFP4.
+
+    Returns:
+        The names of the replaced modules, in model order.
+
+    Raises:
+        ValueError: an unknown format, or no experts module the format applies to (nothing
+            is replaced then).
+    """
+    experts = {name: module for name, module in model.named_modules() if name.endswith("mlp.experts")}
+    if fmt not in ("fp8", "mxfp4"):
+        raise ValueError(f"unknown expert format {fmt!r}: expected 'fp8' or 'mxfp4'")
+    if not experts or not all(_quantizable(module, fmt) for module in experts.values()):
+        wanted = "GPT-OSS experts (with biases)" if fmt == "mxfp4" else "gated experts without biases"
+        raise ValueError(f"{fmt} quantization needs float {wanted}; this model's are not: nothing was replaced")
+    if fmt == "mxfp4":
+        checkpoint = {}
+        for name, module in experts.items():  # GPT-OSS keeps x @ W: [E, H, 2I], [E, I, H]
+            for proj in ("gate_up_proj", "down_proj"):
+                blocks, scales = _chunked(quantize_mxfp4, module.get_parameter(proj).detach().transpose(1, 2))
+                checkpoint[f"{name}.{proj}_blocks"], checkpoint[f"{name}.{proj}_scales"] = blocks, scales
+                checkpoint[f"{name}.{proj}_bias"] = module.get_parameter(f"{proj}_bias").detach()
+        return load_mxfp4_experts(model, checkpoint)
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    config = FineGrainedFP8Config(weight_block_size=block)
+    replace_with_fp8_linear(model, modules_to_not_convert=[r"(?!.*\.experts$).*"], quantization_config=config,
+                            pre_quantized=True)  # meta modules: only the experts become FP8  # fmt: skip
+    for name in list(experts):
+        old, new = experts.pop(name), model.get_submodule(name)
+        for proj in ("gate_up_proj", "down_proj"):
+            weight = old.get_parameter(proj).detach()
+            rows, cols = weight.shape[-2:]
+            tile = block or ((rows // 2, cols) if proj == "gate_up_proj" else (rows, cols))
+            values, scales = _chunked(lambda w, tile=tile: quantize_fp8_blocks(w, tile), weight)
+            setattr(new, proj, nn.Parameter(values, requires_grad=False))
+            setattr(new, f"{proj}_scale_inv", nn.Parameter(scales, requires_grad=False))
+        del old  # the float weights of this module go now
+    return [name for name, _ in model.named_modules() if name.endswith("mlp.experts")]
+
+
+def _chunked(quantize, weight: torch.Tensor, experts_at_once: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [quantize(weight[start : start + experts_at_once]) for start in range(0, weight.shape[0], experts_at_once)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _quantizable(module: nn.Module, fmt: str) -> bool:
+    if not isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) or is_quantized(module):
+        return False
+    return bool(getattr(module, "has_bias", False)) == (fmt == "mxfp4")
 
 
 def register() -> None:
