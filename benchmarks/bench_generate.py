@@ -36,8 +36,12 @@ cache warmed by decoding, as in serving). Each decode run starts with a warm-up 
 
 ``--trace`` replays the real Qwen3-30B-A3B trace's routing (``../shared/traces``) through the
 same model: every router's top-k ids are replaced by the trace's (cycled), read on the
-device from a cursor the last MoE layer advances, so graphs replay it too. Without it random
-weights route close to uniformly, a worst case for a cache.
+device from a cursor the last MoE layer advances, so graphs replay it too. DeepSeek-V3 shapes
+take it as ``bench_decode.py --shape deepseek-v3`` does (layer l: the first 4 ids of trace
+layers 2l and 2l+1, the second set + 128). Without it random weights route close to
+uniformly (Qwen3, GPT-OSS), a worst case for a cache; DeepSeek-V3's random router saturates
+its sigmoid scores and picks nearly the same experts every token (measured: 98% hits at 25%),
+a best case: use ``--trace`` there.
 
 Two speeds per decode run: ``tok_per_s`` = new tokens / wall time of the whole call (prefill
 included), and ``decode_tok_per_s`` = (N - 1) / (time of the call with N new tokens - time of
@@ -74,7 +78,7 @@ import torch.nn.functional as F
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import append_csv, environment, pinned_copy_gbps, print_table, traces_dir  # noqa: E402
+from _common import append_csv, environment, pinned_copy_gbps, print_table  # noqa: E402
 
 from expertcache.integrations.transformers import enable_expert_cache  # noqa: E402
 from expertcache.integrations.transformers.generation import GenerationRun, greedy_generate  # noqa: E402
@@ -90,6 +94,7 @@ PRESETS = {
     # --dry-run: Qwen3's routing shape (so --trace works), tiny matrices
     "tiny": dict(family="qwen3_moe", layers=2, experts=128, top_k=8, hidden=32, intermediate=24),
     "tiny-gpt-oss": dict(family="gpt_oss", layers=2, experts=32, top_k=4, hidden=64, intermediate=32),
+    "tiny-deepseek": dict(family="deepseek_v3", layers=2, experts=256, top_k=8, hidden=32, intermediate=24),
 }
 VARIANTS = ("resident-eager", "resident-graphed", "resident-ttft", "cache-eager", "cache-graphed", "cache-ttft",
             "accelerate", "accelerate-ttft")  # fmt: skip
@@ -154,7 +159,8 @@ def _arguments() -> argparse.Namespace:
     # the long TTFT prompt: grouped_mm for float experts (see the docstring), packed: the kernels
     args.prefill_implementation = QUANT_IMPLEMENTATION if packed else "grouped_mm"
     if args.dry_run:
-        args.model = "tiny-gpt-oss" if args.experts_format == "mxfp4" else "tiny"
+        family = "gpt_oss" if args.experts_format == "mxfp4" else PRESETS[args.model]["family"]
+        args.model = {"gpt_oss": "tiny-gpt-oss", "deepseek_v3": "tiny-deepseek"}.get(family, "tiny")
         args.device = args.device or "cpu"
         args.heads, args.head_dim, args.vocab = 4, 8, 128
         args.prompt_tokens, args.new_tokens, args.warmup_tokens, args.ttft_tokens = 6, 6, 3, 24
@@ -171,8 +177,8 @@ def _arguments() -> argparse.Namespace:
     needs = {"fp8": ("qwen3_moe", "deepseek_v3"), "mxfp4": ("gpt_oss",)}.get(args.experts_format)
     if needs and args.family not in needs:
         parser.error(f"--experts-format {args.experts_format} needs a {' or '.join(needs)} model, not {args.family}")
-    if args.trace and (args.family, args.experts, args.top_k) != ("qwen3_moe", 128, 8):
-        parser.error("--trace replays the Qwen3-30B-A3B trace: it needs a qwen3-30b-a3b-shaped model")
+    if args.trace and (args.family, args.experts, args.top_k) not in (("qwen3_moe", 128, 8), ("deepseek_v3", 256, 8)):
+        parser.error("--trace replays the Qwen3-30B-A3B trace: it needs a qwen3-30b-a3b or deepseek-v3-shaped model")
     if any(v.startswith("accelerate") for v in args.variants) and args.device.type != "cuda":
         parser.error("the accelerate variant offloads to a CUDA device")
     return args
@@ -191,7 +197,7 @@ class TraceRouting:
         self.cursor = torch.zeros((), dtype=torch.long, device=device)  # next trace row
 
     def install(self, model) -> None:
-        gates = [layer.mlp.gate for layer in model.model.layers]
+        gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]  # MoE layers
         if len(gates) > self.ids.shape[1] or gates[0].num_experts <= int(self.ids.max()):
             raise ValueError(f"the trace ({tuple(self.ids.shape)}) does not fit this model's {len(gates)} layers")
         for layer, gate in enumerate(gates):
@@ -202,15 +208,20 @@ class TraceRouting:
 
     def _route(self, gate, layer: int, last: bool, hidden_states: torch.Tensor):
         hidden = hidden_states.reshape(-1, gate.hidden_dim)
-        logits = F.linear(hidden, gate.weight)
-        probs = logits.softmax(dim=-1, dtype=torch.float)
         rows = (self.cursor + torch.arange(hidden.shape[0], device=hidden.device)) % self.ids.shape[0]
         ids = self.ids[rows, layer]  # [T, K], gathered on the device: no host sync
-        weights = probs.gather(1, ids)
-        if gate.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
         if last:
             self.cursor.add_(hidden.shape[0])
+        if hasattr(gate, "e_score_correction_bias"):  # DeepSeek-V3: sigmoid scores in fp32, scaled
+            logits = F.linear(hidden.float(), gate.weight.float())
+            weights = logits.sigmoid().gather(1, ids)
+            if gate.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return logits, weights * gate.routed_scaling_factor, ids
+        logits = F.linear(hidden, gate.weight)  # Qwen3-MoE: softmax probabilities
+        weights = logits.softmax(dim=-1, dtype=torch.float).gather(1, ids)
+        if gate.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(logits.dtype), ids
 
 
@@ -243,9 +254,10 @@ def _build(args) -> Bench:
     model.set_experts_implementation(args.experts_implementation)
     routing = None
     if args.trace:
-        from bench_decode import QWEN3_TRACE, qwen3_routing
+        from bench_decode import shape_routing
 
-        routing = TraceRouting(qwen3_routing(traces_dir() / QWEN3_TRACE, args.layers), args.device)
+        key = "deepseek-v3" if args.family == "deepseek_v3" else "qwen3-30b-a3b"
+        routing = TraceRouting(shape_routing(key, args.layers), args.device)
         routing.install(model)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, args.vocab, (args.batch, args.prompt_tokens), generator=generator)

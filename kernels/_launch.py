@@ -24,6 +24,39 @@ INTERPRETED = isinstance(_probe, InterpretedFunction)
 _KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"
 
 
+def _scalar_loop_bounds_for_old_interpreters() -> None:
+    """Let the interpreter of Triton <= 3.6 bound a loop by a loaded value under NumPy >= 2.4.
+
+    That interpreter holds every scalar as a one-element array and makes an index of it with
+    ``int(array)``, which NumPy 2.4 refuses for arrays of one dimension: our copy kernels'
+    ``range(program_id, count * chunks, ...)`` then fails (later Tritons read the element).
+    Only the interpreter's ``__index__`` of its tensors changes: the element itself.
+    """
+    import numpy as np
+
+    try:
+        int(np.zeros(1))
+        return  # this NumPy still converts
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_reads_the_element", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._reads_the_element = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETED:
+    _scalar_loop_bounds_for_old_interpreters()
+
+
 def interpreted() -> bool:
     """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1`` at import)."""
     return INTERPRETED

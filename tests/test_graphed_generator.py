@@ -306,21 +306,27 @@ def _bench_module(name: str):
         sys.path.remove(str(BENCHMARKS))
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("graphed", [False, True])
-def test_trace_routing_replaces_the_routers_choice(graphed):
-    """Token t of a run is routed by trace row t mod N in every layer, in the eager path of
-    the runner as in generate; the cursor lives on the device (a graph replays it)."""
+def test_trace_routing_replaces_the_routers_choice(graphed, family):
+    """Token t of a run is routed by trace row t mod N in every MoE layer (DeepSeek-V3's dense
+    first layer has none), in the eager path of the runner as in generate; the cursor lives
+    on the device (a graph replays it); the weights are the router's own scores at those ids."""
     from expertcache.integrations.transformers.random_models import ModelSizes, random_model
 
     bench = _bench_module("bench_generate")
-    model = random_model("qwen3_moe", ModelSizes(num_moe_layers=2, num_experts=16, top_k=4))
+    model = random_model(family, ModelSizes(num_moe_layers=2, num_experts=16, top_k=4))
     generator = torch.Generator().manual_seed(0)
     trace = torch.stack([torch.randperm(16, generator=generator)[:4] for _ in range(5 * 3)]).view(5, 3, 4)
     routing = bench.TraceRouting(trace, torch.device("cpu"))
     routing.install(model)
     seen: list[list[torch.Tensor]] = [[], []]
-    for layer, block in enumerate(model.model.layers):
+    weights: list[torch.Tensor] = []
+    blocks = [block for block in model.model.layers if hasattr(block.mlp, "experts")]
+    assert len(blocks) == 2
+    for layer, block in enumerate(blocks):
         block.mlp.experts.register_forward_hook(lambda module, args, out, layer=layer: seen[layer].append(args[1]))
+    blocks[0].mlp.experts.register_forward_hook(lambda module, args, out: weights.append(args[2]))
     prompt = _prompts(1, 4)
     if graphed:
         GraphedGenerator(model, max_length=MAX_LENGTH).generate(prompt, max_new_tokens=4)
@@ -330,6 +336,14 @@ def test_trace_routing_replaces_the_routers_choice(graphed):
         ids = torch.cat(seen[layer])
         assert torch.equal(ids, trace[torch.arange(ids.shape[0]) % 5, layer])
     assert int(routing.cursor) == torch.cat(seen[0]).shape[0]  # prompt + one row per fed-back token
+    gate = blocks[0].mlp.gate
+    scale = getattr(gate, "routed_scaling_factor", 1.0)  # DeepSeek-V3 scales normalised sigmoid scores
+    for step_weights in weights:
+        sums = step_weights.sum(dim=-1).float()
+        if gate.norm_topk_prob:
+            torch.testing.assert_close(sums, torch.full_like(sums, scale))
+        else:  # softmax probabilities of 4 of 16 experts
+            assert bool(((sums > 0) & (sums < 1)).all())
     routing.reset()
     assert int(routing.cursor) == 0
 
