@@ -13,6 +13,7 @@ checkpoint is written to a folder and loaded with ``Mxfp4Config(dequantize=True)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -189,6 +190,26 @@ def test_fp8_triton_kernels_on_slots_match_the_reference(mode):
     cached = greedy_generate(model, tokens, NEW_TOKENS)
     _assert_same(reference, reference_logits, cached, logits_of(model, reference.tokens), tolerance=1e-4)
     assert handle.stats.total.invalid_ids == 0
+    handle.disable()
+
+
+@pytest.mark.parametrize("mode", ["host", "device"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_call_in_passes_is_bit_identical_through_the_kernels(family, mode):
+    """Slots for only top-k experts: a prompt needs several passes, which the kernels take
+    at once (`quant_experts_passes`): the logits equal the uncached model's bit for bit
+    (interpreted in fp32 on a CPU, compiled in bf16 on a GPU)."""
+    device, dtype = ("cuda", torch.bfloat16) if HAS_CUDA else ("cpu", torch.float32)
+    sizes = dataclasses.replace(SIZES, top_k=4)  # 4 terms a token: a split sum would round differently
+    model = random_model(family, sizes, dtype=dtype).to(device)
+    quantize_experts(model, "mxfp4" if family == "gpt_oss" else "fp8", block=BLOCK)
+    model.set_experts_implementation(QUANT_IMPLEMENTATION)
+    tokens = prompt(device=device)
+    expected = logits_of(model, tokens)
+    handle = enable_expert_cache(model, cache_size=sizes.top_k, mode=mode, budget="per-layer")
+    assert torch.equal(logits_of(model, tokens), expected)
+    per_layer = handle.stats.total.misses / len(handle.layers)
+    assert per_layer > sizes.top_k  # more experts loaded in one call than there are slots: passes
     handle.disable()
 
 
@@ -432,3 +453,36 @@ def test_graphed_generator_over_quantized_experts_on_gpu(family):
     assert runner.replays > 0 and handle.stats.total.misses > 0  # served in the graphs
     del runner
     handle.disable()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_float_experts_through_the_kernels_are_bit_identical_in_passes(family):
+    """The kernels serve float experts too (format "none"): a per-layer cache of top-k slots
+    splits the prompt into passes, and the tokens and logits equal the uncached model's
+    exactly; transformers' batched_mm on the same cache (one call per pass, summed in fp32)
+    is close but is not promised to be."""
+    device, dtype = ("cuda", torch.bfloat16) if HAS_CUDA else ("cpu", torch.float32)
+    sizes = dataclasses.replace(SIZES, top_k=4)
+    model = random_model(family, sizes, dtype=dtype).to(device)
+    model.set_experts_implementation(QUANT_IMPLEMENTATION)
+    tokens = prompt(device=device)
+    expected, expected_logits = greedy_generate(model, tokens, NEW_TOKENS), logits_of(model, tokens)
+    handle = enable_expert_cache(
+        model, cache_size=sizes.top_k, budget="per-layer", mode="device" if HAS_CUDA else "host"
+    )
+    assert torch.equal(greedy_generate(model, tokens, NEW_TOKENS).tokens, expected.tokens)
+    assert torch.equal(logits_of(model, tokens), expected_logits)
+    assert handle.stats.total.misses / len(handle.layers) > sizes.top_k  # passes
+    model.set_experts_implementation("batched_mm")  # followed while served
+    reference = logits_of(model, tokens)
+    torch.testing.assert_close(
+        reference, expected_logits, rtol=0, atol=GPU_TOLERANCE * expected_logits.abs().max().item()
+    )
+    handle.disable()
+
+
+def test_float_gpt_oss_experts_are_refused_by_the_kernels():
+    model = random_model("gpt_oss", SIZES)
+    model.set_experts_implementation(QUANT_IMPLEMENTATION)
+    with pytest.raises(ValueError, match="only gated SwiGLU experts without biases.*GPT-OSS keeps x @ W"):
+        logits_of(model, prompt())

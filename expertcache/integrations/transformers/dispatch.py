@@ -11,6 +11,13 @@ registers one more entry there; a served module's config names it, and each call
       -> the implementation the module used before (eager, grouped_mm, batched_mm, ...),
          unchanged, on the SlotView with the slot ids; summed over the passes
 
+A call of one pass returns the implementation's result as it is (bit-identical to the
+uncached model). Several passes are summed in fp32 and rounded once: close to one call, but
+not bit-identical, since each pass's output is already rounded by transformers' code. An
+implementation that takes all passes at once (a `PassSummer` as its ``sums_passes``, like
+the project's ``expertcache_quant`` kernels, which sum every (token, choice) in k order after
+the last pass) is bit-identical at any size.
+
 so transformers' own expert computation runs on the slots: the cache is a weight provider,
 not a second forward path. A call whose tokens need more distinct experts than there are
 slots runs in expert-group passes (`expertcache.passes`): the strategy of the simulator and
@@ -56,6 +63,24 @@ IMPLEMENTATION_NAME = "expertcache"
 GROUPED_MM_MAX_GROUPS = 1024
 
 ExpertsFunction = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PassSummer:
+    """Marks an experts function that takes every pass of a call at once and sums them
+    exactly (one result, bit-identical to the call on the full weights): set as its
+    ``sums_passes`` attribute. Functions without it run once per pass, summed here.
+
+    Attributes:
+        applies: ``applies(hidden_states)``: whether it can run on these tokens' device.
+        run: ``run(views, hidden_states, top_k_weights)``, where ``views`` yields one
+            ``(SlotView of the whole pool, [T, K] slot ids with -1 for other passes)`` per
+            pass; take the next only after this one's kernels are enqueued (its copies may
+            overwrite the slots).
+    """
+
+    applies: Callable[[torch.Tensor], bool]
+    run: Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -252,12 +277,28 @@ def expertcache_experts_forward(
         )
     if binding.recorder is not None:
         binding.recorder.record(binding.layer, top_k_index)
-    total: torch.Tensor | None = None
+    summer = getattr(binding.inner, "sums_passes", None)
+    if isinstance(summer, PassSummer) and summer.applies(hidden_states):
+        passes = binding.provider.passes(top_k_index)
+        views = ((_whole_pool(binding, self, result), result.topk_ids) for result in passes)
+        return summer.run(views, hidden_states, top_k_weights)
+    parts = []
     for result in binding.provider.passes(top_k_index):
-        part = _run_pass(binding, self, hidden_states, result, top_k_weights)
-        total = part if total is None else total + part
-    assert total is not None  # a provider yields at least one pass
-    return total
+        parts.append(_run_pass(binding, self, hidden_states, result, top_k_weights))
+    if len(parts) == 1:
+        return parts[0]
+    # several passes: summed in fp32, rounded once (close to one call, not bit-identical:
+    # each pass's output is already rounded by the implementation)
+    total = parts[0].float()
+    for part in parts[1:]:
+        total += part
+    return total.to(parts[0].dtype)
+
+
+def _whole_pool(binding: Binding, module: nn.Module, result: ExpertWeightResult) -> SlotView:
+    slots = {"w1": result.w1, "w2": result.w2, **result.extra}
+    tensors = {binding.parameter_of[name]: tensor for name, tensor in slots.items()}
+    return SlotView(module, tensors, binding.provider.pool.num_slots)
 
 
 def _run_pass(

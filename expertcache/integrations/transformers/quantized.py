@@ -19,7 +19,11 @@ select one of the two registered here (``model.set_experts_implementation(name)`
 
     "expertcache_quant"    the project's Triton apply kernels on the packed tensors
                            (`expertcache.kernels.quant_passes`); where they cannot launch (a
-                           CPU without TRITON_INTERPRET=1) the reference below
+                           CPU without TRITON_INTERPRET=1) the reference below. Registered
+                           for float experts too (``[E, 2I, H]`` SwiGLU families, format
+                           "none"). Served, it takes every expert-group pass of a call at
+                           once: bit-identical to the uncached call at any size (transformers'
+                           own functions run once per pass, summed in fp32: close, not equal)
     "expertcache_dequant"  pure torch: dequantize the experts referenced, run the float MLP
                            (the dequantization transformers applies when it loads a
                            checkpoint with ``dequantize=True``)
@@ -34,6 +38,7 @@ the packed bytes instead, `load_mxfp4_experts` replaces each GPT-OSS experts mod
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Mapping
@@ -42,6 +47,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface, use_experts_implementation
 
+from expertcache.integrations.transformers.dispatch import PassSummer
 from expertcache.quant import QuantScheme, gated_moe_forward
 from expertcache.quant_fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from expertcache.quant_mxfp4 import GROUP, dequantize_mxfp4, mxfp4_groups, quantize_mxfp4
@@ -75,7 +81,22 @@ def packed_operands(module) -> tuple[dict[str, torch.Tensor], QuantScheme]:
         return _mxfp4_operands(module)
     if getattr(module, "gate_up_proj_scale_inv", None) is not None:
         return _fp8_operands(module)
-    raise ValueError(f"{type(module).__name__} holds no FP8 (*_scale_inv) or MXFP4 (*_scales) expert scales")
+    return _float_operands(module)
+
+
+def _float_operands(module) -> tuple[dict[str, torch.Tensor], QuantScheme]:
+    """Float experts of the ``[E, 2I, H]`` / ``[E, H, I]`` layout (Qwen3-MoE, DeepSeek-V3,
+    Mixtral, OLMoE, Qwen2-MoE) with SwiGLU: format "none" of the same kernels."""
+    weight = getattr(module, "gate_up_proj", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise ValueError(f"{type(module).__name__} holds no FP8 (*_scale_inv) or MXFP4 (*_scales) expert scales "
+                         f"and no float gate_up_proj")  # fmt: skip
+    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
+    if getattr(module, "has_bias", False) or not getattr(module, "has_gate", True) or act != "silu":
+        raise ValueError(f"float {type(module).__name__} (biases, no gate or activation {act!r}): only gated "
+                         f"SwiGLU experts without biases are computed here (GPT-OSS keeps x @ W: use its own "
+                         f"implementations)")  # fmt: skip
+    return {"w1": weight, "w2": module.down_proj}, QuantScheme("none")
 
 
 def _fp8_operands(module) -> tuple[dict[str, torch.Tensor], QuantScheme]:
@@ -154,6 +175,8 @@ def dequant_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
         inter = picked["w1"].shape[1] // 2
         w1 = dequantize_mxfp4(picked["w1"], picked["w1_scale"], hidden_states.shape[1])
         w2 = dequantize_mxfp4(picked["w2"], picked["w2_scale"], inter)
+    elif scheme.format == "none":  # float experts
+        w1, w2 = picked["w1"].float(), picked["w2"].float()
     else:
         block = scheme.fp8_block or tuple(picked["w1"].shape[-2:])  # `_fp8_operands` always gives one
         w1 = dequantize_fp8_blocks(picked["w1"], picked["w1_scale"], block)  # type: ignore[arg-type]
@@ -177,9 +200,42 @@ def quant_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
 
     tensors, scheme = packed_operands(self)
     extra = {name: tensor for name, tensor in tensors.items() if name not in ("w1", "w2", "w1_scale", "w2_scale")}
-    result = ExpertWeightResult(tensors["w1"], tensors["w2"], top_k_index, w1_scale=tensors["w1_scale"],
-                                w2_scale=tensors["w2_scale"], extra=extra)  # fmt: skip
+    result = ExpertWeightResult(tensors["w1"], tensors["w2"], top_k_index, w1_scale=tensors.get("w1_scale"),
+                                w2_scale=tensors.get("w2_scale"), extra=extra)  # fmt: skip
     return moe_apply_quant_passes(hidden_states.contiguous(), [result], top_k_weights, scheme=scheme)
+
+
+def quant_experts_passes(views, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Every pass of a served call through the Triton kernels at once
+    (`moe_apply_quant_passes`): bit-identical to `quant_experts_forward` on the full weights.
+
+    Args:
+        views: per pass, ``(SlotView of the pool, [T, K] slot ids, -1 for other passes)``.
+        hidden_states: ``[T, H]``; top_k_weights: ``[T, K]``.
+    """
+    from expertcache.kernels.quant_passes import moe_apply_quant_passes
+
+    views = iter(views)
+    first = next(views)
+    _, scheme = packed_operands(first[0])
+
+    def results():
+        for view, ids in itertools.chain([first], views):
+            tensors, _ = packed_operands(view)
+            extra = {name: t for name, t in tensors.items() if name not in ("w1", "w2", "w1_scale", "w2_scale")}
+            yield ExpertWeightResult(tensors["w1"], tensors["w2"], ids, w1_scale=tensors.get("w1_scale"),
+                                     w2_scale=tensors.get("w2_scale"), extra=extra)  # fmt: skip
+
+    return moe_apply_quant_passes(hidden_states.contiguous(), results(), top_k_weights, scheme=scheme)
+
+
+def _kernels_run_on(hidden_states: torch.Tensor) -> bool:
+    from expertcache.kernels._launch import runs_on
+
+    return runs_on(hidden_states)
+
+
+quant_experts_forward.sums_passes = PassSummer(applies=_kernels_run_on, run=quant_experts_passes)  # type: ignore[attr-defined]
 
 
 class Mxfp4ExpertsInterface(ExpertsInterface):
@@ -391,7 +447,9 @@ def _quantizable(module: nn.Module, fmt: str) -> bool:
 
 def register() -> None:
     """Add the two compute implementations to transformers' FP8 experts registry (where this
-    transformers has one), so ``set_experts_implementation`` accepts their names."""
+    transformers has one), so ``set_experts_implementation`` accepts their names; and the
+    kernels to the float registry (format "none": bit-identical over passes, see dispatch)."""
+    ExpertsInterface.register(QUANT_IMPLEMENTATION, quant_experts_forward)
     try:
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
     except ImportError:
