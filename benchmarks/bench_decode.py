@@ -282,7 +282,9 @@ def compare_compression(args: argparse.Namespace) -> None:
         slots = round(fraction * E)
         served = {}
         for label, stores in (("raw", raw), ("exponent", coded)):
-            served[label] = [CachedWeightProvider(store, cache_size=slots, mode="device") for store in stores]
+            served[label] = [
+                CachedWeightProvider(store, cache_size=slots, mode="device", device=device) for store in stores
+            ]
             rows.append({"cache": f"{fraction:.0%}", "store": label,
                          **measure(name, served[label], shape, hidden, routing, graph=graph)})  # fmt: skip
         rows[-1]["slots_equal_raw"] = same_slots(served["raw"], served["exponent"])
