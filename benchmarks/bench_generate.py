@@ -113,7 +113,8 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--warmup-tokens", type=int, default=8)
+    parser.add_argument("--warmup-tokens", type=int, default=None,
+                        help="warm-up call's new tokens (default: --new-tokens, the timed call's routing)")
     parser.add_argument("--ttft-tokens", type=int, default=1024)
     parser.add_argument("--accelerate-new-tokens", type=int, default=4, help="accelerate decodes ~0.1-1 tok/s")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
@@ -167,6 +168,8 @@ def _arguments() -> argparse.Namespace:
         args.variants = [v for v in args.variants if not v.startswith("accelerate")]
         args.eager_cache_mode = "host"
     args.device = torch.device(args.device or "cuda")
+    if args.warmup_tokens is None:  # the cache warmed over the tokens it is timed on (steady state)
+        args.warmup_tokens = args.new_tokens
     for key, value in PRESETS[args.model].items():
         if getattr(args, key, None) is None:  # --layers overrides the preset's depth
             setattr(args, key, value)
