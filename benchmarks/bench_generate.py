@@ -113,8 +113,12 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--warmup-tokens", type=int, default=None,
-                        help="warm-up call's new tokens (default: --new-tokens, the timed call's routing)")
+    parser.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=None,
+        help="warm-up call's new tokens (default: --new-tokens, the timed call's routing)",
+    )
     parser.add_argument("--ttft-tokens", type=int, default=1024)
     parser.add_argument("--accelerate-new-tokens", type=int, default=4, help="accelerate decodes ~0.1-1 tok/s")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
@@ -378,13 +382,15 @@ def _ratios(rows: list[dict], copy_gbps: float) -> None:
 
 
 def _ttft(bench: Bench) -> GenerationRun:
-    """First token of the long prompt, after a short warm-up prompt; prefilled with grouped_mm
-    (packed experts: the kernels; served blocks follow the switch too), then back to the
-    decode implementation."""
+    """First token of the long prompt, after a warm-up prompt of the same length (other
+    tokens: the kernels' tiles for that many tokens are compiled before the timing; a short
+    warm-up left Triton compiling inside the timed call); prefilled with grouped_mm (packed
+    experts: the kernels; served blocks follow the switch too), then back to the decode
+    implementation."""
     bench.model.set_experts_implementation(bench.args.prefill_implementation)
     try:
         bench.reset_routing()
-        greedy_generate(bench.model, bench.ttft_prompt[:, :64], 1)
+        greedy_generate(bench.model, (bench.ttft_prompt + 1) % bench.args.vocab, 1)
         bench.reset_routing()
         return greedy_generate(bench.model, bench.ttft_prompt, 1)
     finally:
