@@ -105,6 +105,27 @@ def test_generate_on_a_saved_checkpoint(checkpoint, capsys, tmp_path):
     assert trace.request_starts.tolist() == [0] and trace.forward_starts.tolist() == [0, *range(4, 11)]
 
 
+def test_generate_with_the_kernels_is_identical_in_passes(checkpoint, capsys):
+    """2 slots per layer (top-2 of 8): the prompt runs in passes; the project's kernels give the
+    uncached tokens exactly (interpreted on a CPU)."""
+    status = main(
+        ["generate", "--model", str(checkpoint), "--moe-expert-cache-size", "2", "--moe-expert-cache-budget",
+         "per-layer", "--prompt", "5 6 7 8 9 10 11 12", "--max-new-tokens", "4", "--device", "cpu",
+         "--experts-implementation", "expertcache_quant", "--compare"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0 and "without the cache: identical tokens" in out
+
+
+def test_generate_refuses_an_unknown_experts_implementation(checkpoint, capsys):
+    status = main(["generate", "--model", str(checkpoint), "--moe-expert-cache-size", "4", "--device", "cpu",
+                   "--experts-implementation", "fastest"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar
+    assert status == 2
+    assert err.startswith("expertcache generate: error: --experts-implementation fastest")
+    assert "batched_mm" in err  # transformers' list of the names it accepts
+
+
 def _generate_error(argv, capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", *argv])

@@ -486,3 +486,20 @@ def test_float_gpt_oss_experts_are_refused_by_the_kernels():
     model.set_experts_implementation(QUANT_IMPLEMENTATION)
     with pytest.raises(ValueError, match="only gated SwiGLU experts without biases.*GPT-OSS keeps x @ W"):
         logits_of(model, prompt())
+
+
+def test_importing_the_integration_registers_the_kernels_for_every_experts_class():
+    """``set_experts_implementation("expertcache_quant")`` before any enable: float, FP8."""
+    import subprocess
+    import sys
+
+    code = (
+        "import expertcache.integrations.transformers as t\n"
+        "from expertcache.integrations.transformers.random_models import random_model\n"
+        "model = random_model('qwen3_moe')\n"
+        "model.set_experts_implementation(t.QUANT_IMPLEMENTATION)\n"
+        "print(model.config._experts_implementation)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert done.stdout.strip() == QUANT_IMPLEMENTATION

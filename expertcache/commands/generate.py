@@ -45,7 +45,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--graphs",
         action="store_true",
         help="decode with each step replayed from a CUDA graph (GraphedGenerator; needs a CUDA GPU and "
-        "--moe-expert-cache-mode device; experts computed with transformers' batched_mm)",
+        "--moe-expert-cache-mode device; experts computed with transformers' batched_mm unless "
+        "--experts-implementation says otherwise)",
+    )
+    parser.add_argument(
+        "--experts-implementation",
+        default=None,
+        metavar="NAME",
+        help="transformers experts implementation to compute with (default: the checkpoint's; with --graphs "
+        "batched_mm); expertcache_quant: the project's kernels, bit-identical to the uncached model when a "
+        "prompt runs in several expert-group passes",
     )
     parser.add_argument(
         "--save-trace",
@@ -181,7 +190,12 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as error:  # a corrupt checkpoint
         raise ValueError(f"--model {args.model}: cannot load the weights ({type(error).__name__}: {error})") from None
     recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
-    if args.graphs:
+    if args.experts_implementation is not None:
+        try:
+            model.set_experts_implementation(args.experts_implementation)
+        except ValueError as error:  # transformers lists the names it accepts for this model
+            raise ValueError(f"--experts-implementation {args.experts_implementation}: {error}") from None
+    elif args.graphs:
         # what generate() decodes with on a GPU; grouped_mm's fallbacks (non-bf16) sync
         model.set_experts_implementation("batched_mm")
     handle = enable_expert_cache(model, config, recorder=recorder)
@@ -223,6 +237,12 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     resident = greedy_generate(model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="no cache")
     same = bool(torch.equal(resident.tokens, run.tokens))
     print(f"without the cache: {'identical tokens' if same else 'DIFFERENT tokens'}")
+    if not same and stats.misses:
+        print(
+            "(a prompt needing more experts than the slots runs in passes; transformers' own implementations "
+            "sum them after rounding, which can change a greedy token: --experts-implementation "
+            "expertcache_quant is bit-identical)"
+        )
     return 0 if same else 1
 
 

@@ -6,6 +6,8 @@
     handle.disable()                                     # original weights back
 
 `GraphedGenerator` decodes with each step one CUDA-graph replay (device-mode cache inside).
+Importing this package registers the project's experts implementations with transformers
+(``"expertcache"``, and ``"expertcache_quant"`` / ``"expertcache_dequant"`` of `quantized`).
 
 Plugs in through transformers' own experts extension point (``@use_experts_implementation``
 and its experts-function registry); expert blocks are found from module and parameter
@@ -26,9 +28,17 @@ from expertcache.integrations.transformers.handle import (
     check_cache_size,
     enable_expert_cache,
 )
+from expertcache.integrations.transformers.quantized import (  # importing registers them
+    DEQUANT_IMPLEMENTATION,
+    QUANT_IMPLEMENTATION,
+    load_mxfp4_experts,
+    quantize_experts,
+)
 
 __all__ = [
+    "DEQUANT_IMPLEMENTATION",
     "IMPLEMENTATION_NAME",
+    "QUANT_IMPLEMENTATION",
     "ExpertBlock",
     "ExpertCacheHandle",
     "ExpertCacheStats",
@@ -38,4 +48,6 @@ __all__ = [
     "check_cache_size",
     "enable_expert_cache",
     "find_expert_blocks",
+    "load_mxfp4_experts",
+    "quantize_experts",
 ]
