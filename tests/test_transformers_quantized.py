@@ -202,7 +202,10 @@ def test_a_call_in_passes_is_bit_identical_through_the_kernels(family, mode):
     device, dtype = ("cuda", torch.bfloat16) if HAS_CUDA else ("cpu", torch.float32)
     sizes = dataclasses.replace(SIZES, top_k=4)  # 4 terms a token: a split sum would round differently
     model = random_model(family, sizes, dtype=dtype).to(device)
-    quantize_experts(model, "mxfp4" if family == "gpt_oss" else "fp8", block=BLOCK)
+    if family == "gpt_oss":
+        quantize_experts(model, "mxfp4")
+    else:
+        quantize_experts(model, "fp8", block=BLOCK)
     model.set_experts_implementation(QUANT_IMPLEMENTATION)
     tokens = prompt(device=device)
     expected = logits_of(model, tokens)
@@ -325,16 +328,28 @@ def test_quantize_experts_writes_the_checkpoints_format():
         ("gpt_oss", "fp8", "fp8 quantization needs float gated experts without biases"),
         ("qwen3_moe", "mxfp4", "mxfp4 quantization needs float GPT-OSS experts"),
         ("quantized", "fp8", "nothing was replaced"),  # already packed
+        ("served", "fp8", "served by an expert cache: disable\\(\\) it before quantizing"),
+        ("qwen3_moe", "fp8-block-16", "block must be None .* or two positive ints"),
+        ("qwen3_moe", "fp8-block-0", "block must be None .* or two positive ints"),
+        ("gpt_oss", "mxfp4-block", "block applies to fp8 only"),
     ],
 )
 def test_quantize_experts_refuses_what_it_cannot_write(family, fmt, match):
-    model = fp8_models("qwen3_moe")[0] if family == "quantized" else random_model(family, SIZES)
+    if family == "quantized":
+        model = fp8_models("qwen3_moe")[0]
+    else:
+        model = random_model("qwen3_moe" if family == "served" else family, SIZES)
+    handle = enable_expert_cache(model, cache_size=CACHE_SIZE) if family == "served" else None
     before = {name: (type(m), m.gate_up_proj.detach().clone()) for name, m in _experts(model).items()}
+    fmt, _, block = fmt.partition("-")
+    blocks = {"": {}, "block-16": {"block": 16}, "block-0": {"block": (0, 16)}, "block": {"block": (16, 16)}}
     with pytest.raises(ValueError, match=match):
-        quantize_experts(model, fmt)
+        quantize_experts(model, fmt, **blocks[block])
     after = {name: (type(m), m.gate_up_proj.detach()) for name, m in _experts(model).items()}
     assert {n: t for n, (t, _) in after.items()} == {n: t for n, (t, _) in before.items()}
     assert all(torch.equal(after[n][1].view(torch.uint8), w.view(torch.uint8)) for n, (_, w) in before.items())
+    if handle is not None:
+        handle.disable()
 
 
 def test_load_mxfp4_experts_needs_matching_modules(mxfp4_checkpoint):
@@ -443,7 +458,10 @@ def test_graphed_generator_over_quantized_experts_on_gpu(family):
     from expertcache.integrations.transformers import GraphedGenerator
 
     model = random_model(family, SIZES, dtype=torch.bfloat16).cuda()
-    quantize_experts(model, "mxfp4" if family == "gpt_oss" else "fp8", block=BLOCK)
+    if family == "gpt_oss":
+        quantize_experts(model, "mxfp4")
+    else:
+        quantize_experts(model, "fp8", block=BLOCK)
     model.eval().set_experts_implementation(QUANT_IMPLEMENTATION)
     tokens = prompt(device="cuda")
     expected = greedy_generate(model, tokens, NEW_TOKENS).tokens

@@ -379,7 +379,11 @@ def _safetensors_reader(directory: str | os.PathLike):
     return read, set(file_of)
 
 
-def quantize_experts(model: nn.Module, fmt: str, *, block: tuple[int, int] | None = (128, 128)) -> list[str]:
+#: `quantize_experts`' FP8 scale block: DeepSeek-V3's and Qwen3-FP8's.
+FP8_BLOCK = (128, 128)
+
+
+def quantize_experts(model: nn.Module, fmt: str, *, block: tuple[int, int] | None = FP8_BLOCK) -> list[str]:
     """Quantize a float model's routed experts in place into a checkpoint's packed format.
 
     For tests and benchmarks over random weights (a real checkpoint arrives packed). Modules
@@ -392,18 +396,31 @@ def quantize_experts(model: nn.Module, fmt: str, *, block: tuple[int, int] | Non
             gated experts without biases (Qwen3-MoE, DeepSeek-V3, ...); ``"mxfp4"``: an
             `Mxfp4Experts` (e2m1 blocks, e8m0 scales per 32 values, biases kept), for GPT-OSS.
         block: FP8 scale block (rows, columns); None: per tensor (gate and up apart, as
-            transformers keeps them). Not used by MXFP4.
+            transformers keeps them). MXFP4's groups are fixed (32 values): any other block
+            than the default is refused there.
 
     Returns:
         The names of the replaced modules, in model order.
 
     Raises:
-        ValueError: an unknown format, or no experts module the format applies to (nothing
-            is replaced then).
+        ValueError: an unknown format, a bad block, experts the format does not apply to,
+            or experts an expert cache serves (nothing is replaced then).
     """
+    from expertcache.integrations.transformers.dispatch import is_bound
+
     experts = {name: module for name, module in model.named_modules() if name.endswith("mlp.experts")}
     if fmt not in ("fp8", "mxfp4"):
         raise ValueError(f"unknown expert format {fmt!r}: expected 'fp8' or 'mxfp4'")
+    if fmt == "mxfp4" and block != FP8_BLOCK:
+        raise ValueError(f"block applies to fp8 only (MXFP4 scales groups of 32 values), got block={block!r}")
+    if block is not None and not (
+        isinstance(block, tuple) and len(block) == 2 and all(type(size) is int and size >= 1 for size in block)
+    ):
+        raise ValueError(f"block must be None (per tensor) or two positive ints (rows, columns), got {block!r}")
+    served = [name for name, module in experts.items() if is_bound(module)]
+    if served:
+        raise ValueError(f"{served[0]} is served by an expert cache: disable() it before quantizing "
+                         f"(nothing was replaced)")  # fmt: skip
     if not experts or not all(_quantizable(module, fmt) for module in experts.values()):
         wanted = "GPT-OSS experts (with biases)" if fmt == "mxfp4" else "gated experts without biases"
         raise ValueError(f"{fmt} quantization needs float {wanted}; this model's are not: nothing was replaced")
