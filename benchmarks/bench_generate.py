@@ -103,16 +103,35 @@ COLUMNS = ("variant", "budget", "slots", "tok_per_s", "decode_tok_per_s", "x_res
 FORMATS = ("float", "fp8", "mxfp4")
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a fraction of the experts, in (0, 1], got {value}")
+    return value
+
+
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(PRESETS), default="qwen3-30b-a3b")
-    parser.add_argument("--layers", type=int, default=None, help="MoE layers (default: the model's)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default=None,
+        help="default: qwen3-30b-a3b (gpt-oss-20b with --experts-format mxfp4)",
+    )
+    parser.add_argument("--layers", type=_positive, default=None, help="MoE layers (default: the model's)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (kept small: memory is experts)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=_positive, default=1)
+    parser.add_argument("--prompt-tokens", type=_positive, default=32)
+    parser.add_argument("--new-tokens", type=_positive, default=32)
     parser.add_argument(
         "--warmup-tokens",
         type=int,
@@ -121,7 +140,7 @@ def _arguments() -> argparse.Namespace:
     )
     parser.add_argument("--ttft-tokens", type=int, default=1024)
     parser.add_argument("--accelerate-new-tokens", type=int, default=4, help="accelerate decodes ~0.1-1 tok/s")
-    parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    parser.add_argument("--fractions", type=_fraction, nargs="+", default=[0.25, 0.5, 1.0])
     parser.add_argument(
         "--cache-sizes",
         type=int,
@@ -142,8 +161,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument(
         "--eager-cache-mode",
         choices=("device", "host"),
-        default="device",
-        help="cache mode of cache-eager (device: the graphed run's cache, one enable for both)",
+        default=None,
+        help="cache mode of cache-eager (default device: the graphed run's cache, one enable for both; "
+        "host with --dry-run)",
     )
     parser.add_argument(
         "--experts-implementation",
@@ -155,6 +175,11 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
     args = parser.parse_args()
     packed = args.experts_format != "float"
+    args.model = args.model or ("gpt-oss-20b" if args.experts_format == "mxfp4" else "qwen3-30b-a3b")
+    needs = {"fp8": ("qwen3_moe", "deepseek_v3"), "mxfp4": ("gpt_oss",)}.get(args.experts_format)
+    if needs and PRESETS[args.model]["family"] not in needs:
+        parser.error(f"--experts-format {args.experts_format} needs a {' or '.join(needs)} model, not {args.model}")
+    chosen_variants = args.variants is not None
     if args.variants is None:
         args.variants = [v for v in VARIANTS if not (packed and v.startswith("accelerate"))]
     elif packed and any(v.startswith("accelerate") for v in args.variants):
@@ -164,14 +189,22 @@ def _arguments() -> argparse.Namespace:
     # the long TTFT prompt: grouped_mm for float experts (see the docstring), packed: the kernels
     args.prefill_implementation = QUANT_IMPLEMENTATION if packed else "grouped_mm"
     if args.dry_run:
-        family = "gpt_oss" if args.experts_format == "mxfp4" else PRESETS[args.model]["family"]
+        if chosen_variants and any(v.startswith("accelerate") for v in args.variants):
+            parser.error("--dry-run has no accelerate variant (it offloads to a CUDA device)")
+        if args.eager_cache_mode == "device":
+            parser.error("--dry-run runs the caches in host mode (device mode on a CPU is interpreted, slow)")
+        family = PRESETS[args.model]["family"]
         args.model = {"gpt_oss": "tiny-gpt-oss", "deepseek_v3": "tiny-deepseek"}.get(family, "tiny")
         args.device = args.device or "cpu"
         args.heads, args.head_dim, args.vocab = 4, 8, 128
         args.prompt_tokens, args.new_tokens, args.warmup_tokens, args.ttft_tokens = 6, 6, 3, 24
         args.variants = [v for v in args.variants if not v.startswith("accelerate")]
         args.eager_cache_mode = "host"
-    args.device = torch.device(args.device or "cuda")
+    args.eager_cache_mode = args.eager_cache_mode or "device"
+    try:
+        args.device = torch.device(args.device or "cuda")
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a torch device (cpu, cuda, cuda:1, ...)")
     if args.warmup_tokens is None:  # the cache warmed over the tokens it is timed on (steady state)
         args.warmup_tokens = args.new_tokens
     for key, value in PRESETS[args.model].items():
@@ -181,9 +214,6 @@ def _arguments() -> argparse.Namespace:
     wrong = [size for size in args.cache_sizes if not args.top_k <= size <= args.experts]
     if wrong:
         parser.error(f"--cache-sizes {wrong}: slots per layer go from the top-k {args.top_k} to {args.experts}")
-    needs = {"fp8": ("qwen3_moe", "deepseek_v3"), "mxfp4": ("gpt_oss",)}.get(args.experts_format)
-    if needs and args.family not in needs:
-        parser.error(f"--experts-format {args.experts_format} needs a {' or '.join(needs)} model, not {args.family}")
     if args.trace and (args.family, args.experts, args.top_k) not in (("qwen3_moe", 128, 8), ("deepseek_v3", 256, 8)):
         parser.error("--trace replays the Qwen3-30B-A3B trace: it needs a qwen3-30b-a3b or deepseek-v3-shaped model")
     if any(v.startswith("accelerate") for v in args.variants) and args.device.type != "cuda":
@@ -258,7 +288,12 @@ def _build(args) -> Bench:
     model = random_model(args.family, sizes, dtype=args.dtype, device=args.device)
     if args.experts_format != "float":  # the checkpoint's packed format, quantized on the device
         quantize_experts(model, args.experts_format, block=(128, 128))
-    model.set_experts_implementation(args.experts_implementation)
+    try:
+        model.set_experts_implementation(args.experts_implementation)
+    except ValueError as error:  # transformers names the ones it accepts
+        print(f"bench_generate.py: error: --experts-implementation {args.experts_implementation}: {error}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None
     routing = None
     if args.trace:
         from bench_decode import shape_routing

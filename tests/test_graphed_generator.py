@@ -298,6 +298,22 @@ def test_bench_generate_dry_run():
     assert [path.stat().st_mtime_ns for path in before] == stamps  # a dry run writes no CSV
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--fractions", "2"], "a fraction of the experts, in (0, 1]"),
+        (["--experts-format", "mxfp4", "--model", "qwen3-30b-a3b"], "mxfp4 needs a gpt_oss model"),
+        (["--dry-run", "--variants", "accelerate"], "--dry-run has no accelerate variant"),
+    ],
+)
+def test_bench_generate_bad_flags_exit_2_with_one_line(flags, message):
+    command = [sys.executable, str(BENCHMARKS / "bench_generate.py"), *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("bench_generate.py: error:") and message in last
+
+
 def _bench_module(name: str):
     sys.path.insert(0, str(BENCHMARKS))
     try:

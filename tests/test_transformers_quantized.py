@@ -24,11 +24,13 @@ from torch import nn
 from transformers_helpers import NEW_TOKENS, logits_of, prompt
 
 from expertcache.integrations.transformers import UnsupportedModelError, enable_expert_cache
+from expertcache.integrations.transformers.dispatch import is_bound
 from expertcache.integrations.transformers.generation import greedy_generate
 from expertcache.integrations.transformers.quantized import (
     DEQUANT_IMPLEMENTATION,
     QUANT_IMPLEMENTATION,
     Mxfp4Experts,
+    dequant_experts_forward,
     load_mxfp4_experts,
     quantize_experts,
 )
@@ -499,11 +501,58 @@ def test_float_experts_through_the_kernels_are_bit_identical_in_passes(family):
     handle.disable()
 
 
-def test_float_gpt_oss_experts_are_refused_by_the_kernels():
-    model = random_model("gpt_oss", SIZES)
+def _own_gate(model):
+    """Every experts module's class replaced by a subclass with its own gating (as DeepSeek-V4's clamp)."""
+
+    def clamped(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate.clamp(max=1.0)) * up
+
+    for module in _experts(model).values():
+        module.__class__ = type("ClampedExperts", (type(module),), {"_apply_gate": clamped})
+
+
+def _gelu(model):
+    model.config.hidden_act = "gelu"  # the experts' config is the model's
+
+
+@pytest.mark.parametrize(
+    "family, change, match",
+    [
+        ("gpt_oss", None, r"float GptOssExperts \(has_bias, is_transposed.*GPT-OSS keeps x @ W"),
+        ("qwen3_moe", _own_gate, r"float ClampedExperts \(its own _apply_gate\)"),
+        ("qwen3_moe", _gelu, r"\(activation 'gelu'\): only \[E, 2I, H\] experts with transformers' default SwiGLU"),
+    ],
+)
+@pytest.mark.parametrize("served", [False, True])
+def test_float_experts_the_kernels_do_not_compute_are_refused(family, change, match, served):
+    """Refused with the reason, and, served, before anything is copied (stats and slots as before)."""
+    model = random_model(family, SIZES)
+    if change is not None:
+        change(model)
+    handle = enable_expert_cache(model, cache_size=CACHE_SIZE, budget="per-layer") if served else None
+    if handle is not None:
+        logits_of(model, prompt(5))  # some experts in the slots
+        stats, resident = handle.stats.total, handle.provider(handle.layers[0]).resident()
     model.set_experts_implementation(QUANT_IMPLEMENTATION)
-    with pytest.raises(ValueError, match="only gated SwiGLU experts without biases.*GPT-OSS keeps x @ W"):
-        logits_of(model, prompt())
+    for implementation in (QUANT_IMPLEMENTATION, DEQUANT_IMPLEMENTATION):
+        model.set_experts_implementation(implementation)
+        with pytest.raises(ValueError, match=match):
+            logits_of(model, prompt())
+    if handle is not None:
+        assert handle.stats.total == stats and handle.provider(handle.layers[0]).resident() == resident
+        handle.disable()
+
+
+def test_an_implementation_another_registry_holds_is_refused_at_enable():
+    from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+
+    FP8ExpertsInterface.register("fp8_only_test_name", dequant_experts_forward)
+    model = random_model("qwen3_moe", SIZES)
+    model.config._experts_implementation = "fp8_only_test_name"  # a float class's registry lacks it
+    with pytest.raises(ValueError, match="'fp8_only_test_name' is not registered for Qwen3MoeExperts"):
+        enable_expert_cache(model, cache_size=CACHE_SIZE)
+    assert not any(is_bound(module) for module in _experts(model).values())
 
 
 def test_importing_the_integration_registers_the_kernels_for_every_experts_class():

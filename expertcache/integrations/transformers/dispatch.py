@@ -11,12 +11,16 @@ registers one more entry there; a served module's config names it, and each call
       -> the implementation the module used before (eager, grouped_mm, batched_mm, ...),
          unchanged, on the SlotView with the slot ids; summed over the passes
 
-A call of one pass returns the implementation's result as it is (bit-identical to the
-uncached model). Several passes are summed in fp32 and rounded once: close to one call, but
-not bit-identical, since each pass's output is already rounded by transformers' code. An
-implementation that takes all passes at once (a `PassSummer` as its ``sums_passes``, like
+A call of one pass returns the implementation's result on the slots as it is: ``batched_mm``'s
+bit for bit; implementations that loop over experts (``eager``, ``grouped_mm``) meet them in
+slot order instead of expert order, so a token's contributions may be added in another order
+(rounding differences). Several passes are summed in fp32 and rounded once: close to one
+call, not bit-identical, since each pass's output is already rounded by transformers' code.
+An implementation that takes all passes at once (a `PassSummer` as its ``sums_passes``, like
 the project's ``expertcache_quant`` kernels, which sum every (token, choice) in k order after
-the last pass) is bit-identical at any size.
+the last pass) is bit-identical at any size. An experts function may also carry
+``check(view)``: called on a `SlotView` of the whole pool before anything is copied, so what
+it refuses (raising) leaves the cache as it was.
 
 so transformers' own expert computation runs on the slots: the cache is a weight provider,
 not a second forward path. A call whose tokens need more distinct experts than there are
@@ -158,7 +162,13 @@ def resolve(module: nn.Module, name: str) -> ExpertsFunction:
     from expertcache.integrations.transformers.discovery import experts_interface_of
 
     interface = experts_interface_of(module) or ALL_EXPERTS_FUNCTIONS
-    return interface.get_interface(str(name), original_forward(module))
+    try:
+        return interface.get_interface(str(name), original_forward(module))
+    except KeyError:
+        raise KeyError(
+            f"experts implementation {name!r} is not registered for {type(module).__name__} "
+            f"(its registry holds {', '.join(sorted(map(str, interface)))})"
+        ) from None
 
 
 def original_forward(module: nn.Module) -> ExpertsFunction:
@@ -277,11 +287,15 @@ def expertcache_experts_forward(
         )
     if binding.recorder is not None:
         binding.recorder.record(binding.layer, top_k_index)
+    pool = binding.provider.pool  # every pass reads the same slot tensors
+    view = SlotView(self, {binding.parameter_of[name]: t for name, t in pool.tensors.items()}, pool.num_slots)
+    check = getattr(binding.inner, "check", None)
+    if check is not None:
+        check(view)  # what the implementation cannot compute is refused before anything is copied
     summer = getattr(binding.inner, "sums_passes", None)
     if isinstance(summer, PassSummer) and summer.applies(hidden_states):
         passes = binding.provider.passes(top_k_index)
-        views = ((_whole_pool(binding, self, result), result.topk_ids) for result in passes)
-        return summer.run(views, hidden_states, top_k_weights)
+        return summer.run(((view, result.topk_ids) for result in passes), hidden_states, top_k_weights)
     parts = []
     for result in binding.provider.passes(top_k_index):
         parts.append(_run_pass(binding, self, hidden_states, result, top_k_weights))
@@ -293,12 +307,6 @@ def expertcache_experts_forward(
     for part in parts[1:]:
         total += part
     return total.to(parts[0].dtype)
-
-
-def _whole_pool(binding: Binding, module: nn.Module, result: ExpertWeightResult) -> SlotView:
-    slots = {"w1": result.w1, "w2": result.w2, **result.extra}
-    tensors = {binding.parameter_of[name]: tensor for name, tensor in slots.items()}
-    return SlotView(module, tensors, binding.provider.pool.num_slots)
 
 
 def _run_pass(

@@ -330,7 +330,10 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> tuple[str,
     previous = str(getattr(block.module, "config")._experts_implementation or "eager")  # noqa: B009
     if previous == dispatch.IMPLEMENTATION_NAME:
         raise RuntimeError(f"{block.name} already selects the {previous!r} experts implementation")
-    return previous, dispatch.resolve(block.module, previous)
+    try:
+        return previous, dispatch.resolve(block.module, previous)
+    except KeyError as error:  # a name transformers' setter took for another class's registry
+        raise ValueError(f"{block.name}: {error.args[0]}") from None
 
 
 def _binding(

@@ -38,6 +38,7 @@ the packed bytes instead, `load_mxfp4_experts` replaces each GPT-OSS experts mod
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import os
@@ -47,7 +48,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface, use_experts_implementation
 
-from expertcache.integrations.transformers.dispatch import PassSummer
+from expertcache.integrations.transformers.dispatch import PassSummer, SlotView
 from expertcache.quant import QuantScheme, gated_moe_forward
 from expertcache.quant_fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from expertcache.quant_mxfp4 import GROUP, dequantize_mxfp4, mxfp4_groups, quantize_mxfp4
@@ -87,16 +88,44 @@ def packed_operands(module) -> tuple[dict[str, torch.Tensor], QuantScheme]:
 def _float_operands(module) -> tuple[dict[str, torch.Tensor], QuantScheme]:
     """Float experts of the ``[E, 2I, H]`` / ``[E, H, I]`` layout (Qwen3-MoE, DeepSeek-V3,
     Mixtral, OLMoE, Qwen2-MoE) with SwiGLU: format "none" of the same kernels."""
+    name = _class_name(module)
     weight = getattr(module, "gate_up_proj", None)
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise ValueError(f"{type(module).__name__} holds no FP8 (*_scale_inv) or MXFP4 (*_scales) expert scales "
-                         f"and no float gate_up_proj")  # fmt: skip
-    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
-    if getattr(module, "has_bias", False) or not getattr(module, "has_gate", True) or act != "silu":
-        raise ValueError(f"float {type(module).__name__} (biases, no gate or activation {act!r}): only gated "
-                         f"SwiGLU experts without biases are computed here (GPT-OSS keeps x @ W: use its own "
-                         f"implementations)")  # fmt: skip
+        raise ValueError(f"{name} holds no FP8 (*_scale_inv) or MXFP4 (*_scales) expert scales and no float "
+                         f"gate_up_proj")  # fmt: skip
+    unlike = _unlike_plain_swiglu(module)
+    if unlike:
+        raise ValueError(f"float {name} ({unlike}): only [E, 2I, H] experts with transformers' default SwiGLU, "
+                         f"without biases, are computed here; select one of transformers' implementations "
+                         f"(GPT-OSS keeps x @ W)")  # fmt: skip
     return {"w1": weight, "w2": module.down_proj}, QuantScheme("none")
+
+
+def _unlike_plain_swiglu(module) -> str:
+    """What makes a float experts module compute other than ``silu(x W_g) * (x W_u) W_d``:
+    an empty string when nothing does."""
+    from transformers.integrations import moe
+
+    config = getattr(module, "config", None)
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    if act != "silu":
+        return f"activation {act!r}"
+    flags = [flag for flag in ("has_bias", "is_transposed", "has_post_expert_norm") if getattr(module, flag, False)]
+    flags += [name for name in ("swiglu_limit", "gate_softcap", "up_softcap") if getattr(module, name, None)]
+    if not getattr(module, "has_gate", True):
+        flags.append("no gate")
+    gate = inspect.getattr_static(_unwrapped_class(module), "_apply_gate", None)
+    if gate is not None and gate is not getattr(moe, "_default_apply_gate", gate):
+        flags.append("its own _apply_gate")
+    return ", ".join(flags)
+
+
+def _unwrapped_class(module) -> type:
+    return type(object.__getattribute__(module, "_module")) if isinstance(module, SlotView) else type(module)
+
+
+def _class_name(module) -> str:
+    return _unwrapped_class(module).__name__
 
 
 def _fp8_operands(module) -> tuple[dict[str, torch.Tensor], QuantScheme]:
@@ -235,7 +264,13 @@ def _kernels_run_on(hidden_states: torch.Tensor) -> bool:
     return runs_on(hidden_states)
 
 
+def _check_computable(view) -> None:
+    packed_operands(view)  # raises ValueError naming what it does not compute
+
+
 quant_experts_forward.sums_passes = PassSummer(applies=_kernels_run_on, run=quant_experts_passes)  # type: ignore[attr-defined]
+quant_experts_forward.check = _check_computable  # type: ignore[attr-defined]
+dequant_experts_forward.check = _check_computable  # type: ignore[attr-defined]
 
 
 class Mxfp4ExpertsInterface(ExpertsInterface):
@@ -464,9 +499,10 @@ def _quantizable(module: nn.Module, fmt: str) -> bool:
 
 def register() -> None:
     """Add the two compute implementations to transformers' FP8 experts registry (where this
-    transformers has one), so ``set_experts_implementation`` accepts their names; and the
-    kernels to the float registry (format "none": bit-identical over passes, see dispatch)."""
+    transformers has one), so ``set_experts_implementation`` accepts their names; and both to
+    the float registry (format "none"; the kernels are bit-identical over passes, see dispatch)."""
     ExpertsInterface.register(QUANT_IMPLEMENTATION, quant_experts_forward)
+    ExpertsInterface.register(DEQUANT_IMPLEMENTATION, dequant_experts_forward)
     try:
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
     except ImportError:
