@@ -36,6 +36,7 @@ from expertcache.integrations.transformers.quantized import (
 )
 from expertcache.integrations.transformers.random_models import ModelSizes, random_model
 from expertcache.manifest import build_manifest
+from expertcache.quant_fp8 import quantize_fp8_blocks
 from expertcache.quant_mxfp4 import quantize_mxfp4
 
 finegrained_fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
@@ -352,6 +353,29 @@ def test_quantize_experts_refuses_what_it_cannot_write(family, fmt, match):
     assert all(torch.equal(after[n][1].view(torch.uint8), w.view(torch.uint8)) for n, (_, w) in before.items())
     if handle is not None:
         handle.disable()
+
+
+def test_quantize_experts_failing_halfway_leaves_the_model_as_it_was(monkeypatch):
+    from expertcache.integrations.transformers import quantized
+
+    model = random_model("qwen3_moe", SIZES)
+    before = {name: (type(m), m.down_proj.detach().clone()) for name, m in _experts(model).items()}
+    calls = []
+
+    def fails_on_the_third(weight, block):
+        calls.append(block)
+        if len(calls) == 3:  # the second module's gate_up_proj
+            raise RuntimeError("out of memory")
+        return quantize_fp8_blocks(weight, block)
+
+    monkeypatch.setattr(quantized, "quantize_fp8_blocks", fails_on_the_third)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        quantize_experts(model, "fp8", block=BLOCK)
+    after = {name: (type(m), m.down_proj.detach()) for name, m in _experts(model).items()}
+    assert [t for t, _ in after.values()] == [t for t, _ in before.values()]
+    assert all(torch.equal(after[name][1], weight) for name, (_, weight) in before.items())
+    monkeypatch.undo()
+    assert quantize_experts(model, "fp8", block=BLOCK) == list(before)  # and it still works
 
 
 def test_load_mxfp4_experts_needs_matching_modules(mxfp4_checkpoint):

@@ -77,13 +77,16 @@ class PassSummer:
 
     Attributes:
         applies: ``applies(hidden_states)``: whether it can run on these tokens' device.
-        run: ``run(views, hidden_states, top_k_weights)``, where ``views`` yields one
-            ``(SlotView of the whole pool, [T, K] slot ids with -1 for other passes)`` per
-            pass; take the next only after this one's kernels are enqueued (its copies may
-            overwrite the slots).
+        prepare: ``prepare(view)`` on a `SlotView` of the whole pool: what ``run`` computes
+            with (the slot tensors every pass reads), raising ValueError for a module it
+            cannot compute; called before anything is copied.
+        run: ``run(prepared, pass_ids, hidden_states, top_k_weights)``, where ``pass_ids``
+            yields each pass's ``[T, K]`` slot ids (-1 for other passes); take the next only
+            after this one's kernels are enqueued (its copies may overwrite the slots).
     """
 
     applies: Callable[[torch.Tensor], bool]
+    prepare: Callable[[SlotView], object]
     run: Callable[..., torch.Tensor]
 
 
@@ -287,15 +290,15 @@ def expertcache_experts_forward(
         )
     if binding.recorder is not None:
         binding.recorder.record(binding.layer, top_k_index)
-    pool = binding.provider.pool  # every pass reads the same slot tensors
-    view = SlotView(self, {binding.parameter_of[name]: t for name, t in pool.tensors.items()}, pool.num_slots)
-    check = getattr(binding.inner, "check", None)
-    if check is not None:
-        check(view)  # what the implementation cannot compute is refused before anything is copied
+    # what the implementation cannot compute is refused before anything is copied
     summer = getattr(binding.inner, "sums_passes", None)
     if isinstance(summer, PassSummer) and summer.applies(hidden_states):
+        prepared = summer.prepare(_pool_view(binding, self))
         passes = binding.provider.passes(top_k_index)
-        return summer.run(((view, result.topk_ids) for result in passes), hidden_states, top_k_weights)
+        return summer.run(prepared, (result.topk_ids for result in passes), hidden_states, top_k_weights)
+    check = getattr(binding.inner, "check", None)
+    if check is not None:
+        check(_pool_view(binding, self))
     parts = []
     for result in binding.provider.passes(top_k_index):
         parts.append(_run_pass(binding, self, hidden_states, result, top_k_weights))
@@ -307,6 +310,12 @@ def expertcache_experts_forward(
     for part in parts[1:]:
         total += part
     return total.to(parts[0].dtype)
+
+
+def _pool_view(binding: Binding, module: nn.Module) -> SlotView:
+    """The module over the whole pool's slot tensors (what every pass of a call reads)."""
+    pool = binding.provider.pool
+    return SlotView(module, {binding.parameter_of[name]: t for name, t in pool.tensors.items()}, pool.num_slots)
 
 
 def _run_pass(

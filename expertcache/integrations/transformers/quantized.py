@@ -39,7 +39,6 @@ the packed bytes instead, `load_mxfp4_experts` replaces each GPT-OSS experts mod
 from __future__ import annotations
 
 import inspect
-import itertools
 import json
 import os
 from collections.abc import Mapping
@@ -228,34 +227,31 @@ def quant_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     from expertcache.kernels.quant_passes import moe_apply_quant_passes
 
     tensors, scheme = packed_operands(self)
-    extra = {name: tensor for name, tensor in tensors.items() if name not in ("w1", "w2", "w1_scale", "w2_scale")}
-    result = ExpertWeightResult(tensors["w1"], tensors["w2"], top_k_index, w1_scale=tensors.get("w1_scale"),
-                                w2_scale=tensors.get("w2_scale"), extra=extra)  # fmt: skip
+    result = _result(tensors, top_k_index)
     return moe_apply_quant_passes(hidden_states.contiguous(), [result], top_k_weights, scheme=scheme)
 
 
-def quant_experts_passes(views, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def quant_experts_passes(prepared, pass_ids, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """Every pass of a served call through the Triton kernels at once
     (`moe_apply_quant_passes`): bit-identical to `quant_experts_forward` on the full weights.
 
     Args:
-        views: per pass, ``(SlotView of the pool, [T, K] slot ids, -1 for other passes)``.
+        prepared: `packed_operands` of the pool's `SlotView` (``[S, ...]`` slot tensors).
+        pass_ids: per pass, ``[T, K]`` slot ids, -1 for other passes.
         hidden_states: ``[T, H]``; top_k_weights: ``[T, K]``.
     """
     from expertcache.kernels.quant_passes import moe_apply_quant_passes
 
-    views = iter(views)
-    first = next(views)
-    _, scheme = packed_operands(first[0])
+    tensors, scheme = prepared
+    results = (_result(tensors, ids) for ids in pass_ids)
+    return moe_apply_quant_passes(hidden_states.contiguous(), results, top_k_weights, scheme=scheme)
 
-    def results():
-        for view, ids in itertools.chain([first], views):
-            tensors, _ = packed_operands(view)
-            extra = {name: t for name, t in tensors.items() if name not in ("w1", "w2", "w1_scale", "w2_scale")}
-            yield ExpertWeightResult(tensors["w1"], tensors["w2"], ids, w1_scale=tensors.get("w1_scale"),
-                                     w2_scale=tensors.get("w2_scale"), extra=extra)  # fmt: skip
 
-    return moe_apply_quant_passes(hidden_states.contiguous(), results(), top_k_weights, scheme=scheme)
+def _result(tensors: dict[str, torch.Tensor], ids: torch.Tensor) -> ExpertWeightResult:
+    """`packed_operands`' tensors as a kernel's `ExpertWeightResult` for ``ids``."""
+    extra = {name: t for name, t in tensors.items() if name not in ("w1", "w2", "w1_scale", "w2_scale")}
+    return ExpertWeightResult(tensors["w1"], tensors["w2"], ids, w1_scale=tensors.get("w1_scale"),
+                              w2_scale=tensors.get("w2_scale"), extra=extra)  # fmt: skip
 
 
 def _kernels_run_on(hidden_states: torch.Tensor) -> bool:
@@ -268,7 +264,9 @@ def _check_computable(view) -> None:
     packed_operands(view)  # raises ValueError naming what it does not compute
 
 
-quant_experts_forward.sums_passes = PassSummer(applies=_kernels_run_on, run=quant_experts_passes)  # type: ignore[attr-defined]
+quant_experts_forward.sums_passes = PassSummer(  # type: ignore[attr-defined]
+    applies=_kernels_run_on, prepare=packed_operands, run=quant_experts_passes
+)
 quant_experts_forward.check = _check_computable  # type: ignore[attr-defined]
 dequant_experts_forward.check = _check_computable  # type: ignore[attr-defined]
 
@@ -421,9 +419,9 @@ FP8_BLOCK = (128, 128)
 def quantize_experts(model: nn.Module, fmt: str, *, block: tuple[int, int] | None = FP8_BLOCK) -> list[str]:
     """Quantize a float model's routed experts in place into a checkpoint's packed format.
 
-    For tests and benchmarks over random weights (a real checkpoint arrives packed). Modules
-    are replaced one at a time, a few experts quantized at once, so the peak memory stays
-    near the float model's.
+    For tests and benchmarks over random weights (a real checkpoint arrives packed). Every
+    module is quantized (a few experts at a time) before the model changes, so an error
+    leaves it as it was; the peak memory is the float model's plus the packed experts'.
 
     Args:
         model: a transformers model with float experts (``mlp.experts`` modules).
@@ -470,19 +468,21 @@ def quantize_experts(model: nn.Module, fmt: str, *, block: tuple[int, int] | Non
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
 
+    packed = {}  # every module quantized before the model changes: an error leaves it as it was
+    for name, module in experts.items():
+        for proj in ("gate_up_proj", "down_proj"):
+            weight = module.get_parameter(proj).detach()
+            rows, cols = weight.shape[-2:]
+            tile = block or ((rows // 2, cols) if proj == "gate_up_proj" else (rows, cols))
+            packed[name, proj] = _chunked(lambda w, tile=tile: quantize_fp8_blocks(w, tile), weight)
+    experts.clear()
     config = FineGrainedFP8Config(weight_block_size=block)
     replace_with_fp8_linear(model, modules_to_not_convert=[r"(?!.*\.experts$).*"], quantization_config=config,
                             pre_quantized=True)  # meta modules: only the experts become FP8  # fmt: skip
-    for name in list(experts):
-        old, new = experts.pop(name), model.get_submodule(name)
-        for proj in ("gate_up_proj", "down_proj"):
-            weight = old.get_parameter(proj).detach()
-            rows, cols = weight.shape[-2:]
-            tile = block or ((rows // 2, cols) if proj == "gate_up_proj" else (rows, cols))
-            values, scales = _chunked(lambda w, tile=tile: quantize_fp8_blocks(w, tile), weight)
-            setattr(new, proj, nn.Parameter(values, requires_grad=False))
-            setattr(new, f"{proj}_scale_inv", nn.Parameter(scales, requires_grad=False))
-        del old  # the float weights of this module go now
+    for (name, proj), (values, scales) in packed.items():
+        module = model.get_submodule(name)
+        setattr(module, proj, nn.Parameter(values, requires_grad=False))
+        setattr(module, f"{proj}_scale_inv", nn.Parameter(scales, requires_grad=False))
     return [name for name, _ in model.named_modules() if name.endswith("mlp.experts")]
 
 
