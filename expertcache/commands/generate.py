@@ -53,8 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="NAME",
         help="transformers experts implementation to compute with (default: the checkpoint's; with --graphs "
-        "batched_mm); expertcache_quant: the project's kernels, bit-identical to the uncached model when a "
-        "prompt runs in several expert-group passes",
+        "batched_mm); batched_mm and expertcache_quant (the project's kernels) are bit-identical to the uncached "
+        "model when a prompt runs in several expert-group passes",
     )
     parser.add_argument(
         "--save-trace",
@@ -239,9 +239,9 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     print(f"without the cache: {'identical tokens' if same else 'DIFFERENT tokens'}")
     if not same and stats.misses:
         print(
-            "(a prompt needing more experts than the slots runs in passes; transformers' own implementations "
-            "sum them after rounding, which can change a greedy token: --experts-implementation "
-            "expertcache_quant is bit-identical)"
+            "(a prompt needing more experts than the slots runs in passes; transformers' implementations other "
+            "than batched_mm sum them after rounding, which can change a greedy token: --experts-implementation "
+            "batched_mm or expertcache_quant is bit-identical)"
         )
     return 0 if same else 1
 

@@ -14,9 +14,12 @@ registers one more entry there; a served module's config names it, and each call
 A call of one pass returns the implementation's result on the slots as it is: ``batched_mm``'s
 bit for bit; implementations that loop over experts (``eager``, ``grouped_mm``) meet them in
 slot order instead of expert order, so a token's contributions may be added in another order
-(rounding differences). Several passes are summed in fp32 and rounded once: close to one
-call, not bit-identical, since each pass's output is already rounded by transformers' code.
-An implementation that takes all passes at once (a `PassSummer` as its ``sums_passes``, like
+(rounding differences). A call that may take several passes through ``batched_mm`` (the
+float one) hands it every (token, choice) pair as a token of its own in each pass, takes
+each pair's row from its pass and sums the rows as ``batched_mm`` does: bit-identical to the
+uncached call (`_pairs_in_passes`). Other implementations' passes are summed in fp32 and
+rounded once: close to one call, not bit-identical, since each pass's output is already
+rounded by transformers' code. An implementation that takes all passes at once (a `PassSummer` as its ``sums_passes``, like
 the project's ``expertcache_quant`` kernels, which sum every (token, choice) in k order after
 the last pass) is bit-identical at any size. An experts function may also carry
 ``check(view)``: called on a `SlotView` of the whole pool before anything is copied, so what
@@ -57,6 +60,7 @@ import torch
 from torch import nn
 
 from expertcache.cached_provider import CachedWeightProvider
+from expertcache.passes import max_passes
 from expertcache.result import ExpertWeightResult
 from expertcache.trace.recorder import RoutingRecorder
 
@@ -299,6 +303,8 @@ def expertcache_experts_forward(
     check = getattr(binding.inner, "check", None)
     if check is not None:
         check(_pool_view(binding, self))
+    if _rows_per_pair(binding) and _may_take_passes(binding, top_k_index):
+        return _pairs_in_passes(binding, self, hidden_states, top_k_index, top_k_weights)
     parts = []
     for result in binding.provider.passes(top_k_index):
         parts.append(_run_pass(binding, self, hidden_states, result, top_k_weights))
@@ -310,6 +316,57 @@ def expertcache_experts_forward(
     for part in parts[1:]:
         total += part
     return total.to(parts[0].dtype)
+
+
+def _rows_per_pair(binding: Binding) -> bool:
+    """Whether the implementation is transformers' float ``batched_mm``: it computes each
+    (token, choice) row on its own, a ``[T*K]`` batch of GEMVs, and then weights the rows and
+    sums each token's ``K`` of them once, which `_pairs_in_passes` can redo exactly."""
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    return binding.inner is batched_mm_experts_forward
+
+
+def _may_take_passes(binding: Binding, top_k_index: torch.Tensor) -> bool:
+    """Whether a call of these ids can need more than one pass (from the shapes alone)."""
+    provider = binding.provider
+    return max_passes(top_k_index.numel(), provider.num_experts, provider.pool.num_slots) > 1
+
+
+def _pairs_in_passes(
+    binding: Binding,
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """``batched_mm`` over a call in passes, bit-identical to the uncached call.
+
+    Each pass hands it every (token, choice) pair as a token of its own with one choice and
+    weight 1 (so all ``T*K`` pairs run: the same batch of GEMVs as uncached, and the rows come
+    back unweighted and unrounded); each pair's row is taken from the pass that holds its
+    expert, and the rows are weighted and summed per token as ``batched_mm`` does itself
+    (``rows * w``, ``view(T, K, H).sum(dim=1)``, cast to the hidden dtype). Costs the passes
+    times the GEMVs of one call; used only for calls that may take several passes.
+    """
+    num_tokens, num_top_k = top_k_index.shape
+    pair_hidden = hidden_states.repeat_interleave(num_top_k, dim=0)
+    unit = torch.ones(pair_hidden.shape[0], 1, dtype=hidden_states.dtype, device=hidden_states.device)
+    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+    fixed = capturing or torch.compiler.is_compiling()
+    rows = None
+    for result in binding.provider.passes(top_k_index):
+        slots = {"w1": result.w1, "w2": result.w2, **result.extra}
+        tensors = {binding.parameter_of[name]: tensor for name, tensor in slots.items()}
+        ids = result.topk_ids.reshape(-1, 1)
+        served = ids >= 0
+        filler = ids.max().clamp(min=0)  # other passes' pairs: any slot, their rows are not taken
+        view, local = _present(binding, module, tensors, torch.where(served, ids, filler), fixed=fixed)
+        part = binding.inner(view, pair_hidden, local, unit)
+        rows = torch.where(served, part, torch.zeros_like(part) if rows is None else rows)
+    assert rows is not None  # a call takes at least one pass
+    weighted = rows * top_k_weights.reshape(-1, 1)
+    return weighted.view(num_tokens, num_top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 def _pool_view(binding: Binding, module: nn.Module) -> SlotView:
