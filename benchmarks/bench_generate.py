@@ -71,6 +71,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -79,6 +80,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_csv, environment, pinned_copy_gbps, print_table  # noqa: E402
+
+STARTED = time.monotonic()
 
 from expertcache.integrations.transformers import enable_expert_cache  # noqa: E402
 from expertcache.integrations.transformers.generation import GenerationRun, greedy_generate  # noqa: E402
@@ -397,6 +400,8 @@ def _row(bench: Bench, variant: str, measured, *, handle=None, budget="", slots=
     print(
         f"  {' '.join(map(str, (variant, budget, slots))).strip()}: "
         + ", ".join(f"{k} {row[k]}" for k in COLUMNS[3:] if row[k] != "")
+        + f" ({time.monotonic() - STARTED:.0f} s into the process)",
+        flush=True,
     )
     return row
 

@@ -42,7 +42,7 @@ for step in $steps; do
     generate)  # GENERATE_ARGS: one or more argument sets separated by '|', one process each
       IFS='|' read -ra sets <<< "${GENERATE_ARGS:---layers 12}"
       for arguments in "${sets[@]}"; do
-        echo "--- bench_generate.py $arguments"
+        echo "--- bench_generate.py $arguments" | tee -a "$OUT/bench_generate.log"
         timeout ${GENERATE_TIMEOUT:-420} python3 benchmarks/bench_generate.py $arguments 2>&1 | tee -a "$OUT/bench_generate.log"
       done ;;
     suite-parallel)  # the same suite in SUITE_WORKERS processes (pytest-xdist carried in .whl/), then
