@@ -125,6 +125,23 @@ def test_batched_mm_in_passes_is_bit_identical(family, dtype):
     handle.disable()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_transformers_gemms_in_passes_on_gpu(family, implementation):
+    """bf16 on CUDA, device mode: a 32-token prompt over top-k slots per layer (passes) gives
+    the uncached model's logits and tokens bit for bit, through transformers' own kernels."""
+    model = tiny_model(family, dtype=torch.bfloat16, device="cuda")
+    model.set_experts_implementation(implementation)
+    tokens = prompt(32, device="cuda")
+    reference, expected = logits_of(model, tokens), greedy_generate(model, tokens, NEW_TOKENS).tokens
+    handle = enable_expert_cache(model, cache_size=TINY.top_k, budget="per-layer", mode="device")
+    assert torch.equal(logits_of(model, tokens), reference)
+    assert torch.equal(greedy_generate(model, tokens, NEW_TOKENS).tokens, expected)
+    assert all(stats.misses > TINY.top_k for stats in handle.stats.per_layer.values())  # passes
+    handle.disable()
+
+
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
 def test_every_experts_implementation_runs_on_the_slots(implementation):
     model = tiny_model("gpt_oss")

@@ -14,12 +14,13 @@ registers one more entry there; a served module's config names it, and each call
 A call of one pass returns the implementation's result on the slots as it is: ``batched_mm``'s
 bit for bit; implementations that loop over experts (``eager``, ``grouped_mm``) meet them in
 slot order instead of expert order, so a token's contributions may be added in another order
-(rounding differences). A call that may take several passes through ``batched_mm`` (the
-float one) hands it every (token, choice) pair as a token of its own in each pass, takes
-each pair's row from its pass and sums the rows as ``batched_mm`` does: bit-identical to the
-uncached call (`_pairs_in_passes`). Other implementations' passes are summed in fp32 and
-rounded once: close to one call, not bit-identical, since each pass's output is already
-rounded by transformers' code. An implementation that takes all passes at once (a `PassSummer` as its ``sums_passes``, like
+(rounding differences; on the CPU ``grouped_mm``'s fp32 rows also depend on where an
+expert's group sits). A call that may take several passes through ``batched_mm`` or
+``grouped_mm`` (the float ones) hands them every (token, choice) pair as a token of its own in
+each pass, takes each pair's row from its pass and sums the rows as they do: ``batched_mm``
+bit-identical to the uncached call, ``grouped_mm`` as close as one call (`_pairs_in_passes`).
+Other implementations' passes are summed in fp32 and rounded once: close to one call, not
+bit-identical, since each pass's output is already rounded by transformers' code. An implementation that takes all passes at once (a `PassSummer` as its ``sums_passes``, like
 the project's ``expertcache_quant`` kernels, which sum every (token, choice) in k order after
 the last pass) is bit-identical at any size. An experts function may also carry
 ``check(view)``: called on a `SlotView` of the whole pool before anything is copied, so what
@@ -246,6 +247,13 @@ class SlotView:
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_tensors", {**tensors, "num_experts": num_slots})
 
+    def with_sentinels(self) -> SlotView:
+        """The same view, telling transformers' implementations that ids ``>= num_experts``
+        are expert-parallel sentinels (``_is_expert_parallel``): skipped or weighted 0."""
+        tensors = object.__getattribute__(self, "_tensors")
+        module = object.__getattribute__(self, "_module")
+        return SlotView(module, {**tensors, "_is_expert_parallel": True}, tensors["num_experts"])
+
     def __getattr__(self, name: str):
         tensors = object.__getattribute__(self, "_tensors")
         if name in tensors:
@@ -319,12 +327,13 @@ def expertcache_experts_forward(
 
 
 def _rows_per_pair(binding: Binding) -> bool:
-    """Whether the implementation is transformers' float ``batched_mm``: it computes each
-    (token, choice) row on its own, a ``[T*K]`` batch of GEMVs, and then weights the rows and
-    sums each token's ``K`` of them once, which `_pairs_in_passes` can redo exactly."""
-    from transformers.integrations.moe import batched_mm_experts_forward
+    """Whether the implementation is transformers' float ``batched_mm`` or ``grouped_mm``:
+    each computes every (token, choice) row on its own (a ``[T*K]`` batch of GEMVs; a grouped
+    GEMM over each expert's rows), then weights the rows and sums each token's ``K`` of them
+    once, which `_pairs_in_passes` can redo exactly."""
+    from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
 
-    return binding.inner is batched_mm_experts_forward
+    return binding.inner is batched_mm_experts_forward or binding.inner is grouped_mm_experts_forward
 
 
 def _may_take_passes(binding: Binding, top_k_index: torch.Tensor) -> bool:
@@ -340,14 +349,16 @@ def _pairs_in_passes(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """``batched_mm`` over a call in passes, bit-identical to the uncached call.
+    """``batched_mm`` / ``grouped_mm`` over a call in passes, bit-identical to the uncached call.
 
-    Each pass hands it every (token, choice) pair as a token of its own with one choice and
-    weight 1 (so all ``T*K`` pairs run: the same batch of GEMVs as uncached, and the rows come
-    back unweighted and unrounded); each pair's row is taken from the pass that holds its
-    expert, and the rows are weighted and summed per token as ``batched_mm`` does itself
-    (``rows * w``, ``view(T, K, H).sum(dim=1)``, cast to the hidden dtype). Costs the passes
-    times the GEMVs of one call; used only for calls that may take several passes.
+    Each pass hands the implementation every (token, choice) pair as a token of its own with
+    one choice and weight 1, so the rows come back unweighted and unrounded; the pairs of other
+    passes carry transformers' expert-parallel sentinel (id ``N``): ``grouped_mm`` skips them,
+    so each expert's group holds exactly its rows of the uncached call, and ``batched_mm`` runs
+    them (all ``T*K`` pairs: the uncached call's batch of GEMVs) on a clamped slot. Each pair's
+    row is taken from the pass that holds its expert, and the rows are weighted and summed per
+    token as both do themselves (``rows * w``, ``view(T, K, H).sum(dim=1)``, cast to the hidden
+    dtype). Used only for calls that may take several passes.
     """
     num_tokens, num_top_k = top_k_index.shape
     pair_hidden = hidden_states.repeat_interleave(num_top_k, dim=0)
@@ -360,9 +371,10 @@ def _pairs_in_passes(
         tensors = {binding.parameter_of[name]: tensor for name, tensor in slots.items()}
         ids = result.topk_ids.reshape(-1, 1)
         served = ids >= 0
-        filler = ids.max().clamp(min=0)  # other passes' pairs: any slot, their rows are not taken
+        filler = ids.max().clamp(min=0)  # adds no slot to a compacted view
         view, local = _present(binding, module, tensors, torch.where(served, ids, filler), fixed=fixed)
-        part = binding.inner(view, pair_hidden, local, unit)
+        view = view.with_sentinels()
+        part = binding.inner(view, pair_hidden, torch.where(served, local, view.num_experts), unit)
         rows = torch.where(served, part, torch.zeros_like(part) if rows is None else rows)
     assert rows is not None  # a call takes at least one pass
     weighted = rows * top_k_weights.reshape(-1, 1)
