@@ -13,6 +13,7 @@ import importlib
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from expertcache.integrations.transformers.graphed import (
     resolve_graphs,
     static_cache,
 )
+from expertcache.integrations.transformers.generation import greedy_generate
 from expertcache.integrations.transformers.random_models import FAMILIES
 from expertcache.kernels._launch import INTERPRETED
 
@@ -452,3 +454,26 @@ def test_graphs_refuse_a_window_that_would_slide():
     with pytest.raises(ValueError, match="sliding window of 8 tokens"):
         GraphedGenerator(model, max_length=MAX_LENGTH)
     assert not GraphedGenerator(model, max_length=MAX_LENGTH, graphs=False).graphs
+
+
+def test_bench_generate_times_both_calls_from_the_same_cache_state():
+    """The decode speed is the difference of an N-token and a one-token call: both must start
+    from the cache state an N-token call leaves (the warm-up's), or the difference counts the
+    prefill's misses of one call and not the other's."""
+    bench_generate = _bench_module("bench_generate")
+    model = tiny_model("qwen3_moe")
+    tokens = _prompts(1)
+    handle = enable_expert_cache(model, cache_size=3, budget="global")
+    states = []
+
+    def generate(new_tokens):
+        states.append((new_tokens, tuple(tuple(handle.provider(layer).resident()) for layer in handle.layers)))
+        return greedy_generate(model, tokens, new_tokens)
+
+    args = types.SimpleNamespace(warmup_tokens=12, new_tokens=12)
+    bench = types.SimpleNamespace(args=args, reset_routing=lambda: None)
+    measured = bench_generate._measure(bench, generate, handle)
+    assert [n for n, _ in states] == [12, 12, 1]
+    assert states[1][1] == states[2][1] != states[0][1]  # after the warm-up; the empty cache differs
+    assert measured.step_bytes is not None and measured.step_bytes >= 0
+    handle.disable()
