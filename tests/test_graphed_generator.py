@@ -23,6 +23,7 @@ from transformers_helpers import TINY, tiny_model
 
 from expertcache.cli import main
 from expertcache.integrations.transformers import enable_expert_cache
+from expertcache.integrations.transformers.generation import greedy_generate
 from expertcache.integrations.transformers.graphed import (
     GraphedGenerator,
     bucket_sizes,
@@ -31,7 +32,6 @@ from expertcache.integrations.transformers.graphed import (
     resolve_graphs,
     static_cache,
 )
-from expertcache.integrations.transformers.generation import greedy_generate
 from expertcache.integrations.transformers.random_models import FAMILIES
 from expertcache.kernels._launch import INTERPRETED
 

@@ -23,8 +23,8 @@ from transformers_helpers import TINY, logits_of, prompt, tiny_model
 import expertcache.integrations.transformers.handle as handle_module
 from expertcache.cli import CommandLineParser, add_cache_arguments, cache_config_from_args, main
 from expertcache.integrations.transformers import IMPLEMENTATION_NAME, enable_expert_cache
-from expertcache.integrations.transformers.dispatch import GROUPED_MM_MAX_GROUPS, compact_slots
 from expertcache.integrations.transformers.random_models import ModelSizes, random_model
+from expertcache.integrations.transformers.slot_view import GROUPED_MM_MAX_GROUPS, compact_slots
 from expertcache.kernels._launch import INTERPRETED
 
 #: Every experts implementation this transformers registers, and its own forward.

@@ -47,7 +47,8 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface, use_experts_implementation
 
-from expertcache.integrations.transformers.dispatch import PassSummer, SlotView
+from expertcache.integrations.transformers.pass_runs import PassSummer
+from expertcache.integrations.transformers.slot_view import SlotView
 from expertcache.quant import QuantScheme, gated_moe_forward
 from expertcache.quant_fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from expertcache.quant_mxfp4 import GROUP, dequantize_mxfp4, mxfp4_groups, quantize_mxfp4
