@@ -9,7 +9,7 @@ vocabulary, so memory is experts):
                     expert per layer)
 
 ``--experts-format`` quantizes the random experts on the device into a checkpoint's packed
-format (`quantized.quantize_experts`) before anything runs: ``fp8`` (e4m3, 128 x 128 block
+format (`packed_models.quantize_experts`) before anything runs: ``fp8`` (e4m3, 128 x 128 block
 scales, transformers' FP8Experts: Qwen3-MoE, DeepSeek-V3) or ``mxfp4`` (GPT-OSS's, our
 Mxfp4Experts); every run then computes with the ``expertcache_quant`` kernels (resident too),
 and the cache holds the packed bytes. No accelerate variant there (it offloads float weights).
@@ -86,7 +86,8 @@ STARTED = time.monotonic()
 from expertcache.integrations.transformers import enable_expert_cache  # noqa: E402
 from expertcache.integrations.transformers.generation import GenerationRun, greedy_generate  # noqa: E402
 from expertcache.integrations.transformers.graphed import GraphedGenerator, timed_generate  # noqa: E402
-from expertcache.integrations.transformers.quantized import QUANT_IMPLEMENTATION, quantize_experts  # noqa: E402
+from expertcache.integrations.transformers.packed_models import quantize_experts  # noqa: E402
+from expertcache.integrations.transformers.quantized import QUANT_IMPLEMENTATION  # noqa: E402
 from expertcache.integrations.transformers.random_models import ModelSizes, random_model  # noqa: E402
 from expertcache.stats import CacheStats  # noqa: E402
 

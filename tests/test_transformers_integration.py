@@ -125,6 +125,44 @@ def test_batched_mm_in_passes_is_bit_identical(family, dtype):
     handle.disable()
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_batched_mm_in_passes_under_autocast_is_bit_identical(family):
+    """An fp32 model under bf16 autocast: the experts' GEMMs produce bf16 rows, weighted in
+    bf16 uncached; the pair route weights them in that dtype too (in fp32 logits differed by
+    0.06-1.1)."""
+    model = tiny_model(family)
+    model.set_experts_implementation("batched_mm")
+    tokens = prompt(32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = logits_of(model, tokens)
+        handle = enable_expert_cache(model, cache_size=TINY.top_k, budget="per-layer")
+        assert torch.equal(logits_of(model, tokens), reference)
+    handle.disable()
+
+
+@pytest.mark.parametrize("mode", ["host", "device"] if INTERPRETED else ["host"])
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
+def test_a_compiled_model_runs_the_served_experts_eagerly(mode, implementation):
+    """torch.compile of a served model: the experts function is kept out of the trace
+    (torch.compiler.disable), so a prompt in passes gives the eager cache's logits (traced,
+    a device-mode call in passes had come out wrong without an error). eager's rounding
+    follows the slot order, which the second call finds changed: close, not equal."""
+    torch._dynamo.reset()
+    model = tiny_model("qwen3_moe")
+    model.set_experts_implementation(implementation)
+    tokens = prompt(32)
+    handle = enable_expert_cache(model, cache_size=TINY.top_k, budget="per-layer", mode=mode)
+    expected = logits_of(model, tokens)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="eager")(tokens).logits
+    if implementation == "batched_mm":
+        assert torch.equal(compiled, expected)
+    else:
+        torch.testing.assert_close(compiled, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    handle.disable()
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

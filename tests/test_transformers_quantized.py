@@ -26,13 +26,11 @@ from transformers_helpers import NEW_TOKENS, logits_of, prompt
 from expertcache.integrations.transformers import UnsupportedModelError, enable_expert_cache
 from expertcache.integrations.transformers.dispatch import is_bound
 from expertcache.integrations.transformers.generation import greedy_generate
+from expertcache.integrations.transformers.packed_models import Mxfp4Experts, load_mxfp4_experts, quantize_experts
 from expertcache.integrations.transformers.quantized import (
     DEQUANT_IMPLEMENTATION,
     QUANT_IMPLEMENTATION,
-    Mxfp4Experts,
     dequant_experts_forward,
-    load_mxfp4_experts,
-    quantize_experts,
 )
 from expertcache.integrations.transformers.random_models import ModelSizes, random_model
 from expertcache.manifest import build_manifest
@@ -356,7 +354,7 @@ def test_quantize_experts_refuses_what_it_cannot_write(family, fmt, match):
 
 
 def test_quantize_experts_failing_halfway_leaves_the_model_as_it_was(monkeypatch):
-    from expertcache.integrations.transformers import quantized
+    from expertcache.integrations.transformers import packed_models
 
     model = random_model("qwen3_moe", SIZES)
     before = {name: (type(m), m.down_proj.detach().clone()) for name, m in _experts(model).items()}
@@ -368,7 +366,7 @@ def test_quantize_experts_failing_halfway_leaves_the_model_as_it_was(monkeypatch
             raise RuntimeError("out of memory")
         return quantize_fp8_blocks(weight, block)
 
-    monkeypatch.setattr(quantized, "quantize_fp8_blocks", fails_on_the_third)
+    monkeypatch.setattr(packed_models, "quantize_fp8_blocks", fails_on_the_third)
     with pytest.raises(RuntimeError, match="out of memory"):
         quantize_experts(model, "fp8", block=BLOCK)
     after = {name: (type(m), m.down_proj.detach()) for name, m in _experts(model).items()}

@@ -28,11 +28,10 @@ from expertcache.integrations.transformers.handle import (
     check_cache_size,
     enable_expert_cache,
 )
+from expertcache.integrations.transformers.packed_models import load_mxfp4_experts, quantize_experts
 from expertcache.integrations.transformers.quantized import (  # importing registers them
     DEQUANT_IMPLEMENTATION,
     QUANT_IMPLEMENTATION,
-    load_mxfp4_experts,
-    quantize_experts,
 )
 
 __all__ = [

@@ -10,7 +10,7 @@ decorated with ``@use_experts_implementation``::
 
 Quantized blocks qualify the same way, their packed tensors being per-expert parameters like
 any other: transformers' ``FP8Experts`` (``gate_up_proj`` float8 ``[E, 2I, H]`` beside
-``gate_up_proj_scale_inv``, ...) and `quantized.Mxfp4Experts` (uint8 blocks and e8m0 scales).
+``gate_up_proj_scale_inv``, ...) and `packed_models.Mxfp4Experts` (uint8 blocks and e8m0 scales).
 
 Any module with those parameters is a block the cache can serve, whatever the model; shared
 experts (plain MLPs) and routers do not match and stay where they are. A module that looks

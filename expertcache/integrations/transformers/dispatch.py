@@ -184,6 +184,7 @@ def _before_forward(module: nn.Module, args: tuple) -> None:
             )
 
 
+@torch.compiler.disable
 def expertcache_experts_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -191,6 +192,10 @@ def expertcache_experts_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """The registered experts function (same signature as transformers' own).
+
+    Kept out of torch.compile (``torch.compiler.disable``): a compiled model runs it eagerly
+    between its compiled pieces (``fullgraph=True`` refuses, naming it). Traced, the slot
+    views and the passes' host-side choices were not followed (wrong outputs, no error).
 
     Args:
         hidden_states: ``[T, H]`` tokens.

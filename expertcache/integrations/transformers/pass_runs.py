@@ -126,7 +126,9 @@ def pairs_in_passes(
     them (all ``T*K`` pairs: the uncached call's batch of GEMVs) on a clamped slot. Each pair's
     row is taken from the pass that holds its expert, and the rows are weighted and summed per
     token as both do themselves (``rows * w``, ``view(T, K, H).sum(dim=1)``, cast to the hidden
-    dtype). Used only for calls that may take several passes.
+    dtype), the rows first put back in the dtype their GEMMs produced (`_product_dtype`: the
+    implementations return them cast to the hidden dtype, exactly). Used only for calls that
+    may take several passes.
     """
     num_tokens, num_top_k = top_k_index.shape
     pair_hidden = hidden_states.repeat_interleave(num_top_k, dim=0)
@@ -143,7 +145,7 @@ def pairs_in_passes(
         part = binding.inner(view, pair_hidden, torch.where(served, local, view.num_experts), unit)
         rows = torch.where(served, part, torch.zeros_like(part) if rows is None else rows)
     assert rows is not None  # a call takes at least one pass
-    weighted = rows * top_k_weights.reshape(-1, 1)
+    weighted = rows.to(_product_dtype(binding, hidden_states)) * top_k_weights.reshape(-1, 1)
     return weighted.view(num_tokens, num_top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
@@ -186,8 +188,19 @@ def run_pass(
     return out
 
 
+def _product_dtype(binding: Binding, hidden_states: torch.Tensor) -> torch.dtype:
+    """The dtype of ``batched_mm`` / ``grouped_mm``'s expert outputs before they weight them:
+    autocast's where it is on (the GEMMs run in it), else the experts' (``grouped_mm`` casts
+    its input to it; ``batched_mm`` needs the two equal)."""
+    device = hidden_states.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return binding.provider.pool.tensors["w1"].dtype
+
+
 def _fixed_shapes(hidden_states: torch.Tensor) -> bool:
-    """Inside a CUDA-graph capture or torch.compile: no host sync, fixed shapes."""
+    """Inside a CUDA-graph capture (or traced, which `dispatch` prevents): no host sync,
+    fixed shapes."""
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
     return capturing or torch.compiler.is_compiling()
 
