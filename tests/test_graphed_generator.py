@@ -23,15 +23,14 @@ from transformers_helpers import TINY, tiny_model
 
 from expertcache.cli import main
 from expertcache.integrations.transformers import enable_expert_cache
-from expertcache.integrations.transformers.generation import greedy_generate
-from expertcache.integrations.transformers.graphed import (
-    GraphedGenerator,
-    bucket_sizes,
+from expertcache.integrations.transformers.decode_setup import (
     choose_tokens,
     decode_experts_implementation,
     resolve_graphs,
     static_cache,
 )
+from expertcache.integrations.transformers.generation import greedy_generate
+from expertcache.integrations.transformers.graphed import GraphedGenerator, bucket_sizes
 from expertcache.integrations.transformers.random_models import FAMILIES
 from expertcache.kernels._launch import INTERPRETED
 

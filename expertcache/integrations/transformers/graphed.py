@@ -10,7 +10,7 @@ one call of the same single-token step, whose tensors never move::
 
 With ``enable_expert_cache(model, ..., mode="device")`` the expert cache is inside the step:
 admission, copies and remap are captured with it, so misses are served in the graph
-(`dispatch`'s capture branch). Host mode reads ids on the host every layer and cannot be
+(`pass_runs`' capture branch). Host mode reads ids on the host every layer and cannot be
 captured. Token choice (greedy, or temperature / top-p sampling with a seeded
 ``torch.Generator``) and the EOS bookkeeping run outside the graph on the copied logits.
 
@@ -25,18 +25,21 @@ before ``handle.disable()`` (a graph replayed after that would read freed memory
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from expertcache.integrations.transformers import dispatch
+from expertcache.integrations.transformers.decode_setup import (
+    choose_tokens,
+    decode_experts_implementation,
+    resolve_graphs,
+    static_cache,
+)
 from expertcache.integrations.transformers.generation import GenerationRun
 
 
@@ -327,112 +330,6 @@ class GraphedGenerator:
                 f"data-dependent op in a custom router. GraphedGenerator(..., graphs=False) runs it eagerly."
             ) from error
         state.graph, state.logits = graph, logits
-
-
-@contextlib.contextmanager
-def decode_experts_implementation(model: Any, device: torch.device) -> Iterator[None]:
-    """Decode with ``batched_mm`` where the model uses ``grouped_mm``, off the CPU, as
-    ``model.generate`` does (its ``_optimize_model_for_decode``), so both compute the same
-    tokens. Served blocks keep theirs: their config names ``"expertcache"``, for both."""
-    previous = model.get_experts_implementation()
-    switch = device.type != "cpu" and "grouped_mm" in previous.values()
-    if switch:
-        model.set_experts_implementation({k: "batched_mm" if v == "grouped_mm" else v for k, v in previous.items()})
-    try:
-        yield
-    finally:
-        if switch:
-            model.set_experts_implementation(previous)
-
-
-def choose_tokens(
-    logits: torch.Tensor,
-    *,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Next tokens from ``[B, V]`` logits: the argmax (fp32, first of ties, as ``generate``),
-    or a sample after temperature and nucleus (top-p) filtering. Returns ``[B]`` int64."""
-    scores = logits.float()
-    if not do_sample:
-        return scores.argmax(dim=-1)
-    scores = scores / temperature
-    if top_p < 1.0:
-        ordered, order = scores.sort(dim=-1, descending=True)
-        probs = ordered.softmax(dim=-1)
-        # drop a token when the tokens ranked before it already hold top_p (the first always stays)
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        scores = scores.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
-
-
-def resolve_graphs(model: nn.Module, graphs: bool | str, device: torch.device) -> bool:
-    """Whether to capture: ``"auto"`` means on CUDA when nothing in the step syncs the host.
-
-    Raises:
-        ValueError: ``graphs=True`` off CUDA, or with a host-mode expert cache or a routing
-            recorder (both read ids on the host every layer); a value not in
-            ``(True, False, "auto")``.
-    """
-    if graphs not in (True, False, "auto"):
-        raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
-    syncs = host_syncs(model)
-    if graphs == "auto":
-        return device.type == "cuda" and not syncs
-    if graphs and device.type != "cuda":
-        raise ValueError(f"CUDA graphs need the model on a CUDA device; it is on {device} (use graphs=False)")
-    if graphs and syncs:
-        raise ValueError(f"{'; '.join(syncs)}: a CUDA graph cannot capture that (or use graphs=False)")
-    return bool(graphs)
-
-
-def host_syncs(model: nn.Module) -> list[str]:
-    """What, in the expert cache serving ``model``, reads the device from the host every layer."""
-    # dispatch keeps the one record of what serves a module; read it, don't mirror it
-    bindings = [dispatch.binding_of(module) for module in model.modules()]
-    served = [binding for binding in bindings if binding is not None]
-    reasons = []
-    if any(binding.provider.mode == "host" for binding in served):
-        reasons.append(
-            "a host-mode expert cache reads routing ids on the host every layer "
-            "(enable_expert_cache(model, ..., mode='device') admits on the GPU)"
-        )
-    if any(binding.recorder is not None for binding in served):
-        reasons.append("a RoutingRecorder copies every layer's routing ids to the host (enable the cache without one)")
-    return reasons
-
-
-def static_cache(model: Any, max_length: int, *, keep_sliding: bool = False):
-    """A transformers ``StaticCache`` of ``max_length`` tokens for ``model`` (5.17 and later).
-
-    Sliding-window layers whose window is at least ``max_length`` never slide, and become
-    plain static layers: transformers' sliding layer keeps its length in a host int, which a
-    captured graph would freeze. With a shorter window, graphs are refused (``keep_sliding``
-    keeps the sliding layers for the eager path instead).
-
-    Raises:
-        ValueError: a window shorter than ``max_length`` without ``keep_sliding``.
-    """
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
-
-    cache = StaticCache(config=model.config, max_cache_len=max_length)
-    layer: Any
-    for index, layer in enumerate(cache.layers):
-        if not getattr(layer, "is_sliding", False):
-            continue
-        window = int(layer.max_cache_len)  # min(sliding window, max_length)
-        if window >= max_length:
-            cache.layers[index] = StaticLayer(max_cache_len=max_length)
-        elif not keep_sliding:
-            raise ValueError(
-                f"layer {index} attends over a sliding window of {window} tokens, fewer than "
-                f"max_length {max_length}: its cache cannot be captured in a CUDA graph (lower max_length, "
-                f"or graphs=False)"
-            )
-    return cache
 
 
 def timed_generate(runner: GraphedGenerator, input_ids: torch.Tensor, max_new_tokens: int, **options) -> GenerationRun:
