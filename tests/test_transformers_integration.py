@@ -116,9 +116,14 @@ def test_batched_mm_in_passes_is_bit_identical(family, dtype):
     logits differed by 0.06)."""
     model = tiny_model(family, dtype=dtype)
     model.set_experts_implementation("batched_mm")
-    tokens = prompt(32)
+    _assert_passes_are_bit_identical(model, prompt(32), mode="host")
+
+
+def _assert_passes_are_bit_identical(model, tokens, *, mode):
+    """A per-layer cache of top-k slots (the prompt in passes): logits and greedy tokens equal
+    the uncached model's bit for bit."""
     reference, expected = logits_of(model, tokens), greedy_generate(model, tokens, NEW_TOKENS).tokens
-    handle = enable_expert_cache(model, cache_size=TINY.top_k, budget="per-layer")
+    handle = enable_expert_cache(model, cache_size=TINY.top_k, budget="per-layer", mode=mode)
     assert torch.equal(logits_of(model, tokens), reference)
     assert torch.equal(greedy_generate(model, tokens, NEW_TOKENS).tokens, expected)
     assert all(stats.misses > TINY.top_k for stats in handle.stats.per_layer.values())  # passes
@@ -171,13 +176,7 @@ def test_transformers_gemms_in_passes_on_gpu(family, implementation):
     the uncached model's logits and tokens bit for bit, through transformers' own kernels."""
     model = tiny_model(family, dtype=torch.bfloat16, device="cuda")
     model.set_experts_implementation(implementation)
-    tokens = prompt(32, device="cuda")
-    reference, expected = logits_of(model, tokens), greedy_generate(model, tokens, NEW_TOKENS).tokens
-    handle = enable_expert_cache(model, cache_size=TINY.top_k, budget="per-layer", mode="device")
-    assert torch.equal(logits_of(model, tokens), reference)
-    assert torch.equal(greedy_generate(model, tokens, NEW_TOKENS).tokens, expected)
-    assert all(stats.misses > TINY.top_k for stats in handle.stats.per_layer.values())  # passes
-    handle.disable()
+    _assert_passes_are_bit_identical(model, prompt(32, device="cuda"), mode="device")
 
 
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
