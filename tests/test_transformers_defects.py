@@ -56,8 +56,8 @@ def _close(cached, reference):
 
 @pytest.fixture
 def fake_compiling(monkeypatch):
-    """Run the integration's no-sync branch (the one CUDA graphs and torch.compile take) on
-    the CPU: ``torch.compiler.is_compiling`` answers True for as long as the test says."""
+    """Run the integration's no-sync branch (the one CUDA-graph capture takes) on the CPU:
+    ``torch.compiler.is_compiling`` answers True for as long as the test says."""
     state = {"on": False}
     real = torch.compiler.is_compiling
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: state["on"] or real())

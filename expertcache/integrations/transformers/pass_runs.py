@@ -199,8 +199,9 @@ def _product_dtype(binding: Binding, hidden_states: torch.Tensor) -> torch.dtype
 
 
 def _fixed_shapes(hidden_states: torch.Tensor) -> bool:
-    """Inside a CUDA-graph capture (or traced, which `dispatch` prevents): no host sync,
-    fixed shapes."""
+    """Inside a CUDA-graph capture: no host sync, fixed shapes. (``is_compiling`` is read too,
+    though `dispatch` keeps served calls out of torch.compile: the CPU tests set it to run
+    this branch without a GPU.)"""
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
     return capturing or torch.compiler.is_compiling()
 

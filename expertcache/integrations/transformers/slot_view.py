@@ -85,7 +85,7 @@ def present(
         ids: ``[T, K]`` slot ids, every one a slot of this pass (no -1).
         implementation: the registry name of what will compute on the view.
         num_experts: the layer's experts ``E``.
-        fixed: inside a CUDA graph / torch.compile: a fixed-size table, no host sync.
+        fixed: inside a CUDA-graph capture: a fixed-size table, no host sync.
     """
     num_slots = next(iter(tensors.values())).shape[0]
     limit = most_experts(implementation, num_experts)
