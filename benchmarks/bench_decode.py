@@ -5,11 +5,13 @@ Variants (one process, same kernels, same routing):
   (b) host-driven CachedWeightProvider, eager (it cannot be captured)
   (c) device-driven CachedWeightProvider, eager
   (d) device-driven CachedWeightProvider, whole step in one CUDA graph
+  (d') the same with its launches unchained (no programmatic dependent launch)
   (e) flashlib 0.4.0 lru_ensure driving the same slots and copy kernel, CUDA graph
   (f) whole-layer streaming (every expert of a layer copied each step), eager
 
 Physical bound of a cached step: (a)'s graphed step time + miss bytes / measured pinned
 copy bandwidth. Each variant runs the trace once to warm the cache, then once timed.
+Copy bursts and admission are timed inside CUDA graphs, as the decode step runs them.
 
 ``--compression exponent`` runs instead the comparison of raw and exponent-coded stores
 (`expertcache.compression`) side by side: (a) graphed, then (d) device graph with each
@@ -51,7 +53,14 @@ from baselines import FlashlibLRUProvider, WholeLayerStreamingProvider  # noqa: 
 
 from expertcache import CachedWeightProvider, FullGPUProvider, device_prepare  # noqa: E402
 from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E402
-from expertcache.kernels.copy_experts import CopyPlan, build_segments, copy_experts  # noqa: E402
+from expertcache.kernels import _launch  # noqa: E402
+from expertcache.kernels.copy_experts import (  # noqa: E402
+    DEFAULT_BLOCK,
+    DEFAULT_PROGRAMS,
+    CopyPlan,
+    build_segments,
+    copy_experts,
+)
 from expertcache.layout import layout_from_weights  # noqa: E402
 from expertcache.mover import copy_pairs  # noqa: E402
 from expertcache.stats import CacheStats  # noqa: E402
@@ -151,11 +160,25 @@ def measure(name, providers, shape, hidden, routing, *, graph: bool, steps: int 
     }
 
 
-COPY_GRIDS = ((16, 4096), (32, 4096), (64, 4096), (132, 4096), (132, 8192), (264, 4096), (64, 16384))
+COPY_GRIDS = ((16, 4096), (64, 4096), (132, 2048), (132, 4096), (264, 2048), (528, 1024), (64, 16384))
+BURSTS_PER_GRAPH = 10
+
+
+def graph_ms(enqueue: Callable[[], object], repeats: int = 20) -> float:
+    """Milliseconds of one replay of a CUDA graph holding ``enqueue()``'s launches (no host
+    launch gaps, as in a captured decode step)."""
+    enqueue()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        enqueue()
+    return cuda_time_ms(graph.replay, repeats=repeats)
 
 
 def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
-    """Copy bursts of 1, 2, 8, 32 experts: copy kernel at several grid sizes vs the copy engine."""
+    """Copy bursts of 1, 2, 8, 32 experts inside a CUDA graph (``BURSTS_PER_GRAPH`` bursts
+    of other experts and slots back to back, as the layers of a step): the copy kernel at
+    several grid sizes against the copy engine's captured memcpys of the same bytes."""
     layout, cuda = store.layout, torch.device("cuda")
     if store.formats:
         raise ValueError("the copy-burst sweep copies raw bytes; decoding bursts: benchmarks/bench_compression.py")
@@ -163,33 +186,41 @@ def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
     # the store's own offsets: a store's regions are its to place (coded ones are smaller)
     offsets, sizes = store.region_offsets, tuple(spec.nbytes for spec in layout.specs)
     segments = {block: build_segments(offsets, sizes, layout.copy_unit, block) for _, block in COPY_GRIDS}
+    gen = torch.Generator().manual_seed(0)
     rows = []
     for count in (1, 2, 8, 32):
-        experts = torch.randperm(store.num_experts)[:count].int().cuda()
-        plan = CopyPlan(torch.tensor([count], dtype=torch.int32, device=cuda), experts,
-                        torch.randperm(32)[:count].int().cuda(), 1)  # fmt: skip
+        plans = [
+            CopyPlan(torch.tensor([count], dtype=torch.int32, device=cuda),
+                     torch.randperm(store.num_experts, generator=gen)[:count].int().cuda(),
+                     torch.randperm(32, generator=gen)[:count].int().cuda(), 1)  # fmt: skip
+            for _ in range(BURSTS_PER_GRAPH)
+        ]
 
-        def kernel_copy(programs, block, plan=plan):
-            copy_experts(store.buffer, list(slots.values()), plan, segments[block], unit=layout.copy_unit,
-                         num_experts=store.num_experts, num_programs=programs)  # fmt: skip
+        def kernel_copies(programs, block, plans=plans):
+            for plan in plans:
+                copy_experts(store.buffer, list(slots.values()), plan, segments[block], unit=layout.copy_unit,
+                             num_experts=store.num_experts, num_programs=programs)  # fmt: skip
 
         pairs = [
             (slots[name][s], store.tensors[name][e])
+            for plan in plans
             for e, s in zip(plan.experts.tolist(), plan.slots.tolist(), strict=True)
             for name in slots
         ]
-        nbytes = count * layout.expert_bytes
-        engine_ms = cuda_time_ms(lambda pairs=pairs: copy_pairs(pairs), repeats=20)
-        row = {"experts": count, "mb": nbytes / 1e6, "copy_engine_gbps": nbytes / engine_ms / 1e6}
+        nbytes = BURSTS_PER_GRAPH * count * layout.expert_bytes
+        row = {"experts": count, "mb": count * layout.expert_bytes / 1e6,
+               "copy_engine_gbps": nbytes / graph_ms(lambda pairs=pairs: copy_pairs(pairs)) / 1e6}  # fmt: skip
         for programs, block in COPY_GRIDS:
-            ms = cuda_time_ms(lambda programs=programs, block=block: kernel_copy(programs, block), repeats=20)
+            ms = graph_ms(lambda programs=programs, block=block: kernel_copies(programs, block))
             row[f"kernel_{programs}x{block}_gbps"] = nbytes / ms / 1e6
+        row["default_vs_pinned"] = row[f"kernel_{DEFAULT_PROGRAMS}x{DEFAULT_BLOCK}_gbps"] / copy_gbps
         row["best_kernel_vs_pinned"] = max(v for k, v in row.items() if k.startswith("kernel_")) / copy_gbps
         rows.append(row)
     return rows
 
 
 def make_cached(kind: str, store: CPUBackingStore, slots: int, top_k: int):
+    kind = kind.removesuffix(", unchained")
     if kind == "flashlib":
         return FlashlibLRUProvider(store, slots, top_k)
     return CachedWeightProvider(store, cache_size=slots, mode=kind)
@@ -198,17 +229,19 @@ def make_cached(kind: str, store: CPUBackingStore, slots: int, top_k: int):
 def bench_admission(store: CPUBackingStore, top_k: int, skip_flashlib: bool) -> list[dict]:
     """Per-call cost of admission + copy launch at 100% hits, 100 calls in one CUDA graph.
 
-    Device mode at its default and at other admission warp counts (the launcher's choice
-    is made from this table), against flashlib's ``lru_ensure`` driving the same copy kernel.
+    Device mode at its default, with its launches unchained (no programmatic dependent
+    launch) and at other admission warp counts (the launcher's choice is made from this
+    table), against flashlib's ``lru_ensure`` driving the same copy kernel.
     """
     rows = []
     ids = torch.arange(top_k, device="cuda").reshape(1, top_k)
-    kinds = [("device", None), ("device", 1), ("device", 2), ("device", 8)] + (
+    kinds = [("device", None), ("device, unchained", None), ("device", 1), ("device", 2), ("device", 8)] + (
         [] if skip_flashlib else [("flashlib", None)]
     )
     real_admit = device_prepare.admit
     for kind, warps in kinds:
         device_prepare.admit = real_admit if warps is None else functools.partial(real_admit, num_warps=warps)
+        _launch.PROGRAMMATIC_LAUNCH = not kind.endswith("unchained")
         try:
             provider = make_cached(kind, store, 4 * top_k, top_k)
             provider.prepare(ids)  # compile and make the experts resident
@@ -219,6 +252,7 @@ def bench_admission(store: CPUBackingStore, top_k: int, skip_flashlib: bool) -> 
             us = cuda_time_ms(graph.replay, repeats=20) * 10  # ms per 100 calls -> us per call
         finally:
             device_prepare.admit = real_admit
+            _launch.PROGRAMMATIC_LAUNCH = True
         label = kind if warps is None else f"{kind}, {warps} warps"
         rows.append({"admission": label, "us_per_call_in_graph": us, "hit_rate": provider.stats.hit_rate})
         del provider, graph
@@ -373,12 +407,18 @@ def main() -> None:
             ("(b) host-driven", "host", False),
             ("(c) device eager", "device", False),
             ("(d) device graph", "device", True),
+            ("(d') device graph, unchained launches", "device", True),
         ]
         if not args.skip_flashlib:
             variants.append(("(e) flashlib lru_ensure graph", "flashlib", True))
         for name, kind, graph in variants:
             providers = [make_cached(kind, store, slots, shape["top_k"]) for store in stores]
-            rows.append({"cache": f"{fraction:.0%}", **measure(name, providers, shape, hidden, routing, graph=graph)})
+            _launch.PROGRAMMATIC_LAUNCH = "unchained" not in name
+            try:
+                row = measure(name, providers, shape, hidden, routing, graph=graph)
+            finally:
+                _launch.PROGRAMMATIC_LAUNCH = True
+            rows.append({"cache": f"{fraction:.0%}", **row})
             del providers
             torch.cuda.empty_cache()
 

@@ -68,6 +68,33 @@ def runs_on(tensor: torch.Tensor) -> bool:
     return tensor.device.type == _KERNEL_DEVICE
 
 
+#: Chain the decode-path launches (admission -> copy -> expert apply) by programmatic
+#: dependent launch where the GPU has it: the next kernel is launched while the previous
+#: one runs and waits for it on the GPU (``griddepcontrol``), which hides a launch gap per
+#: kernel inside CUDA graphs too. Benchmarks turn it off to compare.
+PROGRAMMATIC_LAUNCH = True
+_CHAINS: dict[int, bool] = {}
+
+
+def chains_launches(device: torch.device) -> bool:
+    """True when launches on ``device`` use programmatic dependent launch: compiled kernels
+    on an sm_90 or later GPU, with `PROGRAMMATIC_LAUNCH` on."""
+    if not PROGRAMMATIC_LAUNCH or INTERPRETED or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CHAINS:
+        _CHAINS[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _CHAINS[index]
+
+
+def chained(device: torch.device) -> dict[str, bool]:
+    """Launch options of a kernel that waits on the previous launch (``PDL`` constexpr set):
+    ``kernel[grid](..., **chained(device))``."""
+    if chains_launches(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` current for the launches inside (Triton launches on the current GPU
     and its current stream); a no-op for the CPU."""

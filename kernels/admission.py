@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from expertcache.kernels._launch import runs_on
+from expertcache.kernels._launch import chains_launches, runs_on
 from expertcache.kernels.passes import in_pass
 from expertcache.kernels.remap import lookup_slots
 from expertcache.kernels.slot_tables import FIRST_SEEN_EMPTY, SlotTables, add_counts
@@ -84,8 +85,10 @@ def _admit_small_kernel(
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, plan_ptr, miss_stamp_ptr, counters_ptr,
     pass_ptr, num_ids, num_global, num_slots, key_offset, layer, pass_index,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
-    HAS_PASSES: tl.constexpr,
+    HAS_PASSES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # the copy kernel may launch now; it waits for this kernel on the GPU
+        gdc_launch_dependents()
     base = tl.load(clock_ptr)
     positions = tl.arange(0, BLOCK_IDS)
     in_bounds = positions < num_ids
@@ -136,8 +139,10 @@ def _admit_kernel(
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, first_seen_ptr, plan_ptr, miss_stamp_ptr,
     counters_ptr, pass_ptr, num_ids, num_global, num_slots, key_offset, layer, pass_index,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
-    HAS_PASSES: tl.constexpr,
+    HAS_PASSES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # the copy kernel may launch now; it waits for this kernel on the GPU
+        gdc_launch_dependents()
     base = tl.load(clock_ptr)
     # 1: first position of every key in the call, and how many keys and bad ids there are
     num_invalid = 0
@@ -262,6 +267,7 @@ def admit(
     if passes is not None and (passes.dtype != torch.int32 or passes.shape != topk_ids.shape):
         raise ValueError("passes must be an int32 tensor shaped like topk_ids")
     common["HAS_PASSES"] = passes is not None
+    common["PDL"] = chains_launches(topk_ids.device)
     pass_of = passes if passes is not None else out
     state = (tables.expert_to_slot, tables.slot_to_key, tables.last_use, tables.clock)
     if num_ids <= SMALL_CALL:

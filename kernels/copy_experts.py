@@ -15,7 +15,9 @@ They are passed as scalar arguments (no table to load before each chunk's read, 
 Triton sees their alignment, so the loads from mapped memory are 16 bytes wide). Each
 expert is cut into chunks of ``BLOCK`` words per name, dealt round-robin to a fixed number
 of programs, which keeps enough PCIe reads in flight to approach the copy engine's
-bandwidth. Copies naming a row or slot out of range are skipped.
+bandwidth. Copies naming a row or slot out of range are skipped. On sm_90 and later the
+launch is chained to the admission before it (`expertcache.kernels._launch.chained`): its
+programs start while the admission runs and wait on the GPU for its plan.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from expertcache.kernels._launch import runs_on
+from expertcache.kernels._launch import chained, runs_on
 
 # Measured on an H200 (benchmarks/README.md): 64 x 4096 is best or within 2 GB/s of the best
 # grid for 1 to 32 experts of 9.4 MB and 44 MB.
@@ -45,7 +48,11 @@ def _copy_experts_kernel(
     first1, first2, first3, first4, first5, first6, first7,
     num_experts, num_slots, chunks_per_expert,
     BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, ALIGN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched while the admission runs: let the apply launch, then wait for the plan
+        gdc_launch_dependents()
+        gdc_wait()
     count = tl.minimum(tl.load(count_ptr).to(tl.int32), num_slots)
     for work in range(tl.program_id(0), count * chunks_per_expert, NUM_PROGRAMS):
         rank = work // chunks_per_expert
@@ -206,7 +213,7 @@ def copy_experts(
         *segments.offsets, *(0,) * pad, *segments.words, *(0,) * pad, *segments.first_chunks[1:], *(0,) * pad,
         num_experts, slots[0].shape[0], segments.chunks_per_expert,
         BLOCK=segments.block, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=len(slots), ALIGN=segments.align,
-        num_warps=warps_for(segments.block),
+        num_warps=warps_for(segments.block), **chained(slots[0].device),
     )  # fmt: skip
 
 

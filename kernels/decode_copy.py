@@ -28,9 +28,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from expertcache.compression import HEADER_BYTES, RecordFormat, decode_records_torch
-from expertcache.kernels._launch import runs_on
+from expertcache.kernels._launch import chained, runs_on
 from expertcache.kernels.copy_experts import CopyPlan, MappedHostPointer, warps_for
 
 #: Coded slot tensors one launch writes (kernel arguments ``slots0 .. slots3``).
@@ -48,7 +49,11 @@ def _decode_copy_kernel(
     num_experts, num_slots, chunks_per_expert,
     BLOCK: tl.constexpr, STAGE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     CODE_BITS: tl.constexpr, FIELD_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, HEADER: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # chained to the admission, as the copy kernel is
+        gdc_launch_dependents()
+        gdc_wait()
     ESCAPE: tl.constexpr = (1 << CODE_BITS) - 1
     # bytes of a whole block before its exceptions: codebook, literals, codes (16-aligned)
     WHOLE: tl.constexpr = HEADER + BLOCK + (BLOCK * FIELD_BITS // 8 + 15) // 16 * 16
@@ -237,5 +242,5 @@ def decode_copy(
         num_experts, slots[0].shape[0], segments.chunks_per_expert,
         BLOCK=code.block, STAGE=segments.stage_words, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=len(slots),
         CODE_BITS=code.code_bits, FIELD_BITS=code.field_bits, MANTISSA_BITS=code.mantissa_bits, HEADER=HEADER_BYTES,
-        num_warps=warps_for(code.block),
+        num_warps=warps_for(code.block), **chained(slots[0].device),
     )  # fmt: skip

@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
-from expertcache.kernels._launch import on_device, runs_on
+from expertcache.kernels._launch import chained, on_device, runs_on
 
 
 @triton.jit
@@ -43,7 +44,10 @@ def _gate_up_kernel(
     hidden_size, inter_size, top_k, num_rows, stride_token, stride_expert, stride_row,
     stride_scale_expert, stride_scale_row,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched while the copy kernel runs: wait for the slots it fills
+        gdc_wait()
     pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     row_mask = rows < inter_size
@@ -253,7 +257,7 @@ def launch_pairs(
     _gate_up_kernel[(pairs, triton.cdiv(inter_size, block_i))](
         hidden, w1, scale1, ids, act, hidden_size, inter_size, top_k, num_rows,
         hidden.stride(0), w1.stride(0), w1.stride(1), scale1.stride(0), scale1.stride(1),
-        BLOCK_I=block_i, BLOCK_H=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block,
+        BLOCK_I=block_i, BLOCK_H=block_h, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block, **chained(hidden.device),
     )  # fmt: skip
     _down_kernel[(pairs, triton.cdiv(hidden_size, block_rows))](
         act, w2, scale2, ids, weights, part, hidden_size, inter_size, num_rows,

@@ -198,3 +198,16 @@ def test_nine_tensors_take_two_copy_launches(device, mode, mover):
             for name in weights:
                 held = {"w1": result.w1, "w2": result.w2, **result.extra}[name]
                 assert torch.equal(held[slot].cpu(), weights[name][expert]), name
+
+
+def test_decode_launches_chain_only_where_the_gpu_can(monkeypatch):
+    """Programmatic dependent launch: compiled kernels on sm_90+ only, and off when asked."""
+    from expertcache.kernels import _launch
+
+    assert _launch.chained(torch.device("cpu")) == {"PDL": False}
+    if torch.cuda.is_available() and not _launch.interpreted():
+        can = torch.cuda.get_device_capability()[0] >= 9
+        assert _launch.chains_launches(torch.device("cuda")) == can
+        assert _launch.chained(torch.device("cuda")) == ({"PDL": True, "launch_pdl": True} if can else {"PDL": False})
+    monkeypatch.setattr(_launch, "PROGRAMMATIC_LAUNCH", False)
+    assert _launch.chained(torch.device("cuda")) == {"PDL": False}
