@@ -190,9 +190,12 @@ def bench_copy_kernel(store: CPUBackingStore, copy_gbps: float) -> list[dict]:
     rows = []
     for count in (1, 2, 8, 32):
         plans = [
-            CopyPlan(torch.tensor([count], dtype=torch.int32, device=cuda),
-                     torch.randperm(store.num_experts, generator=gen)[:count].int().cuda(),
-                     torch.randperm(32, generator=gen)[:count].int().cuda(), 1)  # fmt: skip
+            CopyPlan(
+                torch.tensor([count], dtype=torch.int32, device=cuda),
+                torch.randperm(store.num_experts, generator=gen)[:count].int().cuda(),
+                torch.randperm(32, generator=gen)[:count].int().cuda(),
+                1,
+            )  # fmt: skip
             for _ in range(BURSTS_PER_GRAPH)
         ]
 
