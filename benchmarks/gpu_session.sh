@@ -5,6 +5,7 @@
 #        apply batch prefill: the expert apply kernels, throughput against batch size, prefill;
 #        compression decode-compressed: exponent coding (ratio, decode-copy bursts, DFloat11 beside
 #        it when its wheel, dahuffman's and cupy import) and the decode step raw vs coded)
+#   sm-reads: how close kernels reading pinned memory get to the copy engine (bench_sm_reads.py)
 #   graphed: GraphedGenerator's tests (graphs on the GPU); quant: bench_quant.py
 #   suite: the README's test command, the WHOLE suite (python3 -m pytest -q); suite-parallel: the
 #   same over pytest-xdist workers (its wheel and execnet's in .whl/); tests: only -m gpu
@@ -33,7 +34,7 @@ for step in $steps; do
     suite) timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/suite.log" | tail -40 ;;
     graphed) timeout ${GRAPHED_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rfE tests/test_graphed_generator.py 2>&1 | tee "$OUT/graphed_tests.log" | tail -30 ;;
     quant) timeout ${QUANT_TIMEOUT:-300} python3 benchmarks/bench_quant.py ${QUANT_ARGS:-} 2>&1 | tee "$OUT/bench_quant.log" ;;
-    tests) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=6 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=150 --durations=6 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     prepare) timeout 180 python3 benchmarks/bench_prepare.py --calls 100 2>&1 | tee "$OUT/bench_prepare.log" ;;
     decode) timeout 400 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" ;;
     decode-deepseek) timeout 400 python3 benchmarks/bench_decode.py --shape deepseek-v3 2>&1 | tee "$OUT/bench_decode_deepseek.log" ;;
@@ -48,11 +49,12 @@ for step in $steps; do
     suite-parallel)  # the same suite in SUITE_WORKERS processes (pytest-xdist carried in .whl/), then
       # whatever failed once more, serially: a failure of both is a failure
       timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -n ${SUITE_WORKERS:-6} -o cache_dir=/tmp/pytest-cache \
-        --durations=12 2>&1 | tee "$OUT/suite.log" | tail -40
+        -o faulthandler_timeout=${TEST_STALL_S:-150} --durations=12 2>&1 | tee "$OUT/suite.log" | tail -40
       if grep -qE "[0-9]+ (failed|error)" "$OUT/suite.log"; then
         echo "--- failed tests again, serially"
         timeout 300 python3 -m pytest -q --lf -o cache_dir=/tmp/pytest-cache -rfE 2>&1 | tee "$OUT/suite_rerun.log" | tail -30
       fi ;;
+    sm-reads) timeout 240 python3 benchmarks/bench_sm_reads.py 2>&1 | tee "$OUT/bench_sm_reads.log" ;;
     apply) timeout 240 python3 benchmarks/bench_apply.py 2>&1 | tee "$OUT/bench_apply.log" ;;
     batch) timeout ${BATCH_TIMEOUT:-420} python3 benchmarks/bench_batch.py ${BATCH_ARGS:-} 2>&1 | tee "$OUT/bench_batch.log" ;;
     prefill) timeout ${PREFILL_TIMEOUT:-300} python3 benchmarks/bench_batch.py ${PREFILL_ARGS:---prefill 1024 4096} 2>&1 | tee "$OUT/bench_prefill.log" ;;
