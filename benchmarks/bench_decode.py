@@ -4,8 +4,10 @@ Variants (one process, same kernels, same routing):
   (a) all experts resident (FullGPUProvider), eager and CUDA graph
   (b) host-driven CachedWeightProvider, eager (it cannot be captured)
   (c) device-driven CachedWeightProvider, eager
-  (d) device-driven CachedWeightProvider, whole step in one CUDA graph
-  (d') the same with its launches unchained (no programmatic dependent launch)
+  (d) device-driven CachedWeightProvider, whole step in one CUDA graph: hits computed while
+      the misses are copied on a side stream (``passes(ids, overlap=True)``), launches chained
+  (d') the same without the overlap; (d'') also without chained launches (programmatic
+      dependent launch), the previous release's step
   (e) flashlib 0.4.0 lru_ensure driving the same slots and copy kernel, CUDA graph
   (f) whole-layer streaming (every expert of a layer copied each step), eager
 
@@ -139,9 +141,10 @@ def run_pass(step: Callable, hidden: torch.Tensor, routing: torch.Tensor) -> flo
     return (time.perf_counter() - start) * 1e3 / routing.shape[0]
 
 
-def measure(name, providers, shape, hidden, routing, *, graph: bool, steps: int | None = None) -> dict:
+def measure(name, providers, shape, hidden, routing, *, graph: bool, steps: int | None = None, overlap=True) -> dict:
     dtype = shape.get("dtype", torch.bfloat16)
-    stack = DecodeStack(providers, shape["hidden"], shape["experts"], dtype=dtype, device=hidden.device)
+    stack = DecodeStack(providers, shape["hidden"], shape["experts"], dtype=dtype, device=hidden.device,
+                        overlap=overlap)  # fmt: skip
     hidden, routing = hidden[:steps], routing[:steps]
     step = GraphedDecodeStep(stack, hidden[0], routing[:1]) if graph else stack.step
     run_pass(step, hidden, routing)  # warm pass
@@ -410,7 +413,8 @@ def main() -> None:
             ("(b) host-driven", "host", False),
             ("(c) device eager", "device", False),
             ("(d) device graph", "device", True),
-            ("(d') device graph, unchained launches", "device", True),
+            ("(d') device graph, no overlap", "device", True),
+            ("(d'') device graph, no overlap, unchained launches", "device", True),
         ]
         if not args.skip_flashlib:
             variants.append(("(e) flashlib lru_ensure graph", "flashlib", True))
@@ -418,7 +422,7 @@ def main() -> None:
             providers = [make_cached(kind, store, slots, shape["top_k"]) for store in stores]
             _launch.PROGRAMMATIC_LAUNCH = "unchained" not in name
             try:
-                row = measure(name, providers, shape, hidden, routing, graph=graph)
+                row = measure(name, providers, shape, hidden, routing, graph=graph, overlap="no overlap" not in name)
             finally:
                 _launch.PROGRAMMATIC_LAUNCH = True
             rows.append({"cache": f"{fraction:.0%}", **row})

@@ -169,11 +169,15 @@ class CachedWeightProvider(ExpertWeightProvider):
         """
         return result_from_tensors(self.pool.tensors, self.pool.prepare(self.layer, topk_ids))
 
-    def passes(self, topk_ids: torch.Tensor) -> Iterator[ExpertWeightResult]:
+    def passes(self, topk_ids: torch.Tensor, *, overlap: bool = False) -> Iterator[ExpertWeightResult]:
         """Serve a call of any size, in expert-group passes when its experts exceed the slots.
 
         Args:
             topk_ids: ``[T, K]`` int32/int64 global expert ids on the cache's device.
+            overlap: the caller sums passes exactly (`expertcache.kernels.moe_apply_passes`
+                does): device mode may then serve a decode call as its hits (computed while
+                the misses are copied on a side stream) and then its misses
+                (`SlotPool.passes`).
 
         Returns:
             An iterator of `ExpertWeightResult` (slot tensors as from ``prepare``), one per
@@ -188,7 +192,7 @@ class CachedWeightProvider(ExpertWeightProvider):
         Raises:
             As ``prepare`` (never `CacheCapacityError`); bad ids raise before anything runs.
         """
-        results = self.pool.passes(self.layer, topk_ids)
+        results = self.pool.passes(self.layer, topk_ids, overlap=overlap)
         return (result_from_tensors(self.pool.tensors, slot_ids) for slot_ids in results)
 
 

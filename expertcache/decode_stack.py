@@ -4,11 +4,13 @@ The shape of what an engine runs per generated token, with the cache inside::
 
     for each layer:  h = rms_norm(h + h @ attention)               (stand-in GEMM)
                      logits = h @ router;  weights = softmax(logits at the given ids)
-                     results = provider.passes(ids)                 (cache: admit, copy, remap)
+                     results = provider.passes(ids, overlap=True)   (cache: admit, copy, remap)
                      h = h + apply(h, results, weights)             (moe_apply over the passes)
 
 A call needing more experts than the slots runs as several passes (`expertcache.passes`);
-decode batches that fit take one.
+decode batches that fit take one, or in device mode two when the pool cannot hold the whole
+layer: its hits, computed while its misses are copied on a side stream, then its misses
+(``overlap``; the apply sums passes exactly, so the output is the same bits).
 
 Routing ids are an input (replayed from a trace, or any router's top-k), so a captured
 graph replays with fresh routing every step. With device-mode providers the captured step
@@ -42,6 +44,8 @@ class DecodeStack:
         seed: the dense parts are drawn from it, so stacks with the same seed compute the
             same function.
         apply: the expert kernel over a call's passes (default `moe_apply_passes`).
+        overlap: let device-mode caches overlap copies with the hits' compute (passed to
+            ``provider.passes``); only for an ``apply`` that sums passes exactly.
     """
 
     def __init__(
@@ -54,8 +58,10 @@ class DecodeStack:
         device: torch.device | str,
         seed: int = 0,
         apply: ExpertApply = moe_apply_passes,
+        overlap: bool = True,
     ) -> None:
         self.apply = apply
+        self.overlap = overlap
         gen = torch.Generator().manual_seed(seed)
         scale = hidden_size**-0.5
         self.providers = list(providers)
@@ -86,7 +92,7 @@ class DecodeStack:
             ids = routing[layer]
             logits = (h @ self.router[layer]).float()
             weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
-            h = h + self.apply(h, provider.passes(ids), weights)
+            h = h + self.apply(h, provider.passes(ids, overlap=self.overlap), weights)
         return h
 
 

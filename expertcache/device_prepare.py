@@ -27,6 +27,7 @@ need are empty (launches only)::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections.abc import Iterator
@@ -39,7 +40,7 @@ from expertcache.call_plan import Load
 from expertcache.errors import CacheCapacityError
 from expertcache.host_prepare import local_keys
 from expertcache.kernels._launch import on_device
-from expertcache.kernels.admission import admit
+from expertcache.kernels.admission import SMALL_CALL, admit
 from expertcache.kernels.passes import assign_passes
 from expertcache.kernels.slot_tables import SlotTables
 from expertcache.mover import copy_with_kernel, restore_slots
@@ -93,9 +94,12 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
     return _run(pool, layer, topk_ids.contiguous(), pool.no_passes, 0)
 
 
-def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator[torch.Tensor]:
+def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False) -> Iterator[torch.Tensor]:
     """Device-mode ``SlotPool.passes``: slot ids of each pass (see the module docstring)."""
     count = max_passes(topk_ids.numel(), layer.num_experts, pool.num_slots)
+    if count == 1 and overlap and _splits(pool, layer, topk_ids):
+        yield from _hits_then_misses(pool, layer, topk_ids.contiguous())
+        return
     if count == 1:
         yield prepare(pool, layer, topk_ids)
         return
@@ -113,6 +117,32 @@ def _run(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Ten
     return run(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index)
 
 
+def _splits(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> bool:
+    """Whether a one-pass call is served as its hits, then its misses: a decode-sized call on
+    a pool that cannot hold every expert of the layer (else nothing is missed once warm, and
+    the second pass would cost launches only), outside ``torch.compile`` (streams)."""
+    return topk_ids.numel() <= SMALL_CALL and pool.num_slots < layer.num_experts and not torch.compiler.is_compiling()
+
+
+def _hits_then_misses(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> Iterator[torch.Tensor]:
+    """One call as two passes: the hits' slot ids at once, while the misses are copied on
+    the pool's copy stream; the misses' slot ids once the current stream has joined it."""
+    misses = torch.empty_like(ids)
+    stream = pool.copy_stream()
+    joined = False
+    hits = _admit_then_copy(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index,
+                    pool.no_passes, 0, misses=misses, copy_stream=stream)  # fmt: skip
+    try:
+        yield hits
+        if stream is not None:
+            torch.cuda.current_stream(pool.device).wait_stream(stream)
+        joined = True
+        yield misses
+    finally:
+        if not joined and stream is not None:  # the caller stopped early: join anyway
+            torch.cuda.current_stream(pool.device).wait_stream(stream)
+
+
 def _admit_and_copy(
     topk_ids: torch.Tensor,
     state: torch.Tensor,
@@ -123,6 +153,23 @@ def _admit_and_copy(
     pass_index: int,
 ) -> torch.Tensor:
     """One call (``pass_of`` empty) or one pass of a call: admission, then copies."""
+    return _admit_then_copy(topk_ids, state, slots, pool, layer, pass_of, pass_index)
+
+
+def _admit_then_copy(
+    topk_ids: torch.Tensor,
+    state: torch.Tensor,
+    slots: list[torch.Tensor],
+    pool: int,
+    layer: int,
+    pass_of: torch.Tensor,
+    pass_index: int,
+    misses: torch.Tensor | None = None,
+    copy_stream: torch.cuda.Stream | None = None,
+) -> torch.Tensor:
+    """`_admit_and_copy`; with ``misses``, the returned slot ids are the hits' and ``misses``
+    receives the misses'; with ``copy_stream``, the copies run there, after the admission
+    (the caller joins it)."""
     owner = _POOLS[pool]
     entry = owner.ordered_layers[layer]
     tables = owner.tables if state.data_ptr() == owner.tables.buffer.data_ptr() else _view_like(owner.tables, state)
@@ -137,14 +184,25 @@ def _admit_and_copy(
                 assign_passes(tables, topk_ids, entry.global_to_local, passes, **where)
             admit(
                 tables, topk_ids, entry.global_to_local, out, layer=entry.index, passes=passes, pass_index=pass_index,
-                **where,
+                miss_out=misses, **where,
             )  # fmt: skip
-            copy_with_kernel(named, entry.store, tables.plan, entry.copy_groups)
+            with _on_stream(copy_stream):
+                copy_with_kernel(named, entry.store, tables.plan, entry.copy_groups)
         except BaseException:
+            if copy_stream is not None:  # a copy enqueued there must land before the slots are put back
+                torch.cuda.current_stream(owner.device).wait_stream(copy_stream)
             if backup is not None:
                 _roll_back(owner, tables, named, backup)
             raise
     return out
+
+
+def _on_stream(stream: torch.cuda.Stream | None):
+    """Enqueue on ``stream`` after what the current stream holds (a no-op for None)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    return torch.cuda.stream(stream)
 
 
 _op = torch.library.custom_op(

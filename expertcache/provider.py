@@ -48,11 +48,15 @@ class ExpertWeightProvider(ABC):
             here; the kernel skips it).
         """
 
-    def passes(self, topk_ids: torch.Tensor) -> Iterator[ExpertWeightResult]:
+    def passes(self, topk_ids: torch.Tensor, *, overlap: bool = False) -> Iterator[ExpertWeightResult]:
         """Serve a call of any size as one or more results (``prepare`` is the one-pass case).
 
         Args:
             topk_ids: ``[T, K]`` int32 or int64 global expert ids from the router.
+            overlap: the caller sums its kernel's outputs over passes exactly (per (token,
+                choice) rows summed once, as `expertcache.kernels.moe_apply_passes`), so a
+                cache may split a call to overlap its copies with compute. A provider with
+                nothing to copy serves the call as usual.
 
         Yields:
             `ExpertWeightResult` per pass; its ``topk_ids`` hold this pass's ids remapped

@@ -118,6 +118,7 @@ class SlotPool:
         with torch.inference_mode(False):
             self.no_passes = torch.empty(0, dtype=torch.int32, device=self.device)  # a call of one pass
         self.op_id = device_prepare.register(self)
+        self._copy_stream: torch.cuda.Stream | None = None
         self.policy = chosen  # claimed by the first attach, so a pool that never serves binds nothing
 
     @classmethod
@@ -205,11 +206,16 @@ class SlotPool:
         self._started = True  # the tables now hold state: they keep their addresses
         return slot_ids
 
-    def passes(self, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator[torch.Tensor]:
+    def passes(self, layer: PoolLayer, topk_ids: torch.Tensor, *, overlap: bool = False) -> Iterator[torch.Tensor]:
         """Serve a call of any size in expert-group passes (`expertcache.passes`).
 
         Args:
             layer, topk_ids: as in `prepare` (checked before this returns).
+            overlap: the caller sums passes exactly (as `expertcache.kernels.moe_apply_passes`
+                does). A device-mode pool that cannot hold every expert of the layer then
+                serves a decode-sized call (at most 64 ids) that fits in one pass as two: its
+                hits at once, computed while its misses are copied on the pool's copy stream,
+                then its misses. Host mode serves the call as usual.
 
         Returns:
             An iterator of ``[T, K]`` slot ids, one per pass: this pass's ids remapped,
@@ -222,8 +228,18 @@ class SlotPool:
         if self.layers.get(layer.name) is not layer:
             raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
         check_topk_ids(topk_ids, self.device)
-        run = device_prepare.passes if self.mode == "device" else host_prepare.passes
-        return self._started_by(run(self, layer, topk_ids))
+        if self.mode == "device":
+            return self._started_by(device_prepare.passes(self, layer, topk_ids, overlap))
+        return self._started_by(host_prepare.passes(self, layer, topk_ids))
+
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The side stream device-mode copies overlap on (``passes(..., overlap=True)``);
+        None on the CPU, where launches run in order."""
+        if self.device.type != "cuda":
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
 
     def _started_by(self, slot_ids: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
         for ids in slot_ids:

@@ -81,11 +81,11 @@ def _list_miss(plan_ptr, miss_stamp_ptr, miss_ordinal, local, key, stamp, is_mis
 
 @triton.jit
 def _admit_small_kernel(
-    ids_ptr, global_to_local_ptr, out_ptr,
+    ids_ptr, global_to_local_ptr, out_ptr, miss_out_ptr,
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, plan_ptr, miss_stamp_ptr, counters_ptr,
     pass_ptr, num_ids, num_global, num_slots, key_offset, layer, pass_index,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
-    HAS_PASSES: tl.constexpr, PDL: tl.constexpr,
+    HAS_PASSES: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # the copy kernel may launch now; it waits for this kernel on the GPU
         gdc_launch_dependents()
@@ -110,6 +110,7 @@ def _admit_small_kernel(
         tl.store(last_use_ptr + slot, stamp, mask=is_first & (slot >= 0))
         _list_miss(plan_ptr, miss_stamp_ptr, miss_ordinal, local, key, stamp, is_miss)
         num_evictions = 0
+        was_missed = positions < 0
         if num_misses > 0:
             tl.debug_barrier()
             num_evictions = _place_misses(
@@ -122,6 +123,10 @@ def _admit_small_kernel(
             rank = tl.sum(tl.where(missed, miss_ordinal[None, :], 0), axis=1)
             was_missed = tl.sum(missed.to(tl.int32), axis=1) > 0
             slot = tl.where(was_missed, tl.load(plan_ptr + 2 + 4 * rank, mask=was_missed, other=-1), slot)
+        if SPLIT:  # hits to out, misses to miss_out
+            misses_out = tl.where(was_missed, slot, -1).to(miss_out_ptr.dtype.element_ty)
+            tl.store(miss_out_ptr + positions, misses_out, mask=in_bounds)
+            slot = tl.where(was_missed, -1, slot)
         tl.store(out_ptr + positions, tl.where(is_local, slot, -1).to(out_ptr.dtype.element_ty), mask=in_bounds)
         tl.store(plan_ptr, num_misses)
         tl.store(clock_ptr, base + num_unique.to(tl.int64))
@@ -129,6 +134,8 @@ def _admit_small_kernel(
         add_counts(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, calls, num_invalid, 0)
     else:
         tl.store(out_ptr + positions, tl.full([BLOCK_IDS], -1, out_ptr.dtype.element_ty), mask=in_bounds)
+        if SPLIT:
+            tl.store(miss_out_ptr + positions, tl.full([BLOCK_IDS], -1, miss_out_ptr.dtype.element_ty), mask=in_bounds)
         tl.store(plan_ptr, 0)
         add_counts(counters_ptr, layer, 0, 0, 0, 0, num_invalid, 1)
 
@@ -234,6 +241,7 @@ def admit(
     layer: int,
     passes: torch.Tensor | None = None,
     pass_index: int = 0,
+    miss_out: torch.Tensor | None = None,
     num_warps: int | None = None,
 ) -> None:
     """Admit one call on the device: update ``tables``, write the plan and the slot ids.
@@ -252,6 +260,10 @@ def admit(
             the call is then only the positions of pass ``pass_index`` (the others come out
             -1 and count nowhere), and only pass 0 counts as a call.
         pass_index: the pass to admit.
+        miss_out: optional ``[T, K]`` like ``out``: then ``out`` receives only the hits' slot
+            ids and ``miss_out`` only the misses' (-1 elsewhere in each), so the hits can be
+            computed while the misses are copied. Calls of at most ``SMALL_CALL`` ids
+            without ``passes`` only.
         num_warps: of the launch (default: measured best for the kernel).
     """
     if not runs_on(topk_ids):
@@ -270,11 +282,18 @@ def admit(
     common["PDL"] = chains_launches(topk_ids.device)
     pass_of = passes if passes is not None else out
     state = (tables.expert_to_slot, tables.slot_to_key, tables.last_use, tables.clock)
+    if miss_out is not None:
+        if num_ids > SMALL_CALL or passes is not None:
+            raise ValueError(f"miss_out takes a call of at most {SMALL_CALL} ids without passes")
+        if not miss_out.is_contiguous() or miss_out.shape != out.shape or miss_out.dtype != out.dtype:
+            raise ValueError("miss_out must be a contiguous tensor like out")
     if num_ids <= SMALL_CALL:
         _admit_small_kernel[(1,)](
-            topk_ids, mapping, out, *state, tables.plan, tables.miss_stamp, tables.counters,
+            topk_ids, mapping, out, out if miss_out is None else miss_out, *state, tables.plan, tables.miss_stamp,
+            tables.counters,
             pass_of, num_ids, num_global, num_slots, key_offset, layer, pass_index,
-            BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=num_warps or 4, **common,
+            BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=num_warps or 4, SPLIT=miss_out is not None,
+            **common,
         )  # fmt: skip
     else:
         _admit_kernel[(1,)](
@@ -296,6 +315,7 @@ def admit_torch(
     layer: int,
     passes: torch.Tensor | None = None,
     pass_index: int = 0,
+    miss_out: torch.Tensor | None = None,
 ) -> None:
     """Reference of `admit`, one key at a time in Python (same tables, plan and counters)."""
     flat = topk_ids.reshape(-1).tolist()
@@ -311,6 +331,8 @@ def admit_torch(
     row = tables.counters[layer]
     if len(unique) > tables.num_slots:
         out.copy_(torch.full_like(out, -1))
+        if miss_out is not None:
+            miss_out.copy_(torch.full_like(miss_out, -1))
         tables.plan[0] = 0
         row += torch.tensor([0, 0, 0, 0, invalid, 1], device=row.device)
         return
@@ -336,5 +358,10 @@ def admit_torch(
     tables.plan[0] = len(misses)
     tables.clock[0] = base + len(unique)
     slots = [-1 if key is None else int(e2s[key]) for key in keys]
+    if miss_out is not None:
+        missed = {key for key, _ in misses}
+        miss_slots = [slot if key in missed else -1 for key, slot in zip(keys, slots, strict=True)]
+        miss_out.copy_(torch.tensor(miss_slots, dtype=out.dtype).view(out.shape))
+        slots = [-1 if key in missed else slot for key, slot in zip(keys, slots, strict=True)]
     out.copy_(torch.tensor(slots, dtype=out.dtype).view(out.shape))
     row += torch.tensor([len(unique) - len(misses), len(misses), evictions, calls, invalid, 0], device=row.device)

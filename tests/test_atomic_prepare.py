@@ -83,12 +83,15 @@ def fail_before(real, failure):
         ("device", device_prepare, "copy_with_kernel", fail_after),  # after the copy's bytes landed
     ],
 )
-def test_a_failing_step_rolls_back(monkeypatch, device, failure, mode, module, step, when):
+@pytest.mark.parametrize("overlap", [False, True], ids=["prepare", "overlapped passes"])
+def test_a_failing_step_rolls_back(monkeypatch, device, failure, mode, module, step, when, overlap):
     weights, provider = warm(device, mode)
     before = snapshot(provider)
     monkeypatch.setattr(module, step, when(getattr(module, step), failure))
+    ids = torch.tensor([[5, 6], [7, 0]], device=device)  # 3 misses, 3 evictions
     with pytest.raises(failure, match="injected"):
-        provider.prepare(torch.tensor([[5, 6], [7, 0]], device=device))  # 3 misses, 3 evictions
+        # overlapped (device mode): the copies go to the pool's copy stream
+        provider.passes(ids, overlap=True).__next__() if overlap else provider.prepare(ids)
     monkeypatch.undo()
     assert_unchanged(provider, before)
     assert_next_call_is_right(provider, weights, device)

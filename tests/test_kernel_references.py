@@ -44,8 +44,10 @@ def _call(gen: torch.Generator, num_global: int, num_slots: int) -> torch.Tensor
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("with_map", [False, True], ids=["identity", "expert map"])
 @pytest.mark.parametrize("num_slots", [3, 5])
-def test_admission_equals_reference(device, with_map, num_slots):
-    """Two layers share the tables (key offsets 0 and 6); 40 random calls, state compared after each."""
+@pytest.mark.parametrize("split", [False, True], ids=["one out", "hits and misses apart"])
+def test_admission_equals_reference(device, with_map, num_slots, split):
+    """Two layers share the tables (key offsets 0 and 6); 40 random calls, state compared after
+    each; ``split``: decode-sized calls write hits and misses to two outputs."""
     gen = torch.Generator().manual_seed(num_slots + 10 * with_map)
     num_local, num_global = 6, 9
     mapping = torch.full((num_global,), -1, dtype=torch.int32)
@@ -58,9 +60,13 @@ def test_admission_equals_reference(device, with_map, num_slots):
         g2l = mapping.to(device) if with_map else None
         outs = [torch.full_like(ids, -7) for _ in range(2)]
         kwargs = dict(num_global=num_global if with_map else num_local, key_offset=num_local * layer, layer=layer)
-        admit(kernel, ids, g2l, outs[0], **kwargs)
-        admit_torch(reference, ids, g2l, outs[1], **kwargs)
+        misses = [torch.full_like(ids, -7) for _ in range(2)] if split and ids.numel() <= 64 else [None, None]
+        admit(kernel, ids, g2l, outs[0], miss_out=misses[0], **kwargs)
+        admit_torch(reference, ids, g2l, outs[1], miss_out=misses[1], **kwargs)
         assert torch.equal(outs[0], outs[1]), step
+        if misses[0] is not None:
+            assert torch.equal(misses[0], misses[1]), step
+            assert not ((outs[0] >= 0) & (misses[0] >= 0)).any()
         _same_tables(kernel, reference)
     assert int(kernel.counters[:, 5].sum()) > 0, "no call overflowed: the flag went untested"
     assert int(kernel.counters[:, 4].sum()) > 0, "no invalid id was counted"

@@ -207,3 +207,43 @@ def test_graphed_step_with_passes_replays_and_equals_eager():
         replayed = graph(hidden, step_routing).clone()
         assert torch.equal(replayed, stacks[1].step(hidden, step_routing))
     assert all(p.stats.overflows == 0 for p in cached)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_overlapped_decode_calls_serve_hits_then_misses(device):
+    """``passes(ids, overlap=True)`` on a device-mode pool smaller than the layer: the hits,
+    then the misses (each position in exactly one, with the slot of the unsplit call), same
+    decisions and stats, and `moe_apply_passes` over the two is bit-identical to one call."""
+    gen = torch.Generator().manual_seed(5)
+    weights = random_weights(12, 32, 16, generator=gen)
+    split, applied, plain = (CachedWeightProvider(weights, cache_size=6, mode="device", device=device) for _ in "abc")
+    full = {name: tensor.to(device) for name, tensor in weights.items()}
+    for step in range(10):
+        ids = random_topk(1 + step % 2, 3, 12, generator=gen).to(device)
+        before = split.resident()
+        results = list(split.passes(ids, overlap=True))
+        (one,) = plain.passes(ids)
+        assert len(results) == 2
+        hits, misses = results[0].topk_ids, results[1].topk_ids
+        assert not ((hits >= 0) & (misses >= 0)).any()
+        assert torch.equal(torch.where(hits >= 0, hits, misses), one.topk_ids)
+        missed = {int(e) for e, m in zip(ids.reshape(-1).tolist(), misses.reshape(-1).tolist(), strict=True) if m >= 0}
+        assert missed == set(ids.reshape(-1).tolist()) - before
+        hidden, router = torch.randn(ids.shape[0], 32, generator=gen).to(device), torch.rand(ids.shape, generator=gen)
+        ours = moe_apply_passes(hidden, applied.passes(ids, overlap=True), router.to(device))
+        assert torch.equal(ours, moe_apply(hidden, full["w1"], full["w2"], router.to(device), ids))
+    assert split.stats == applied.stats == plain.stats
+    assert split.stats.misses > 5  # misses were served through the second pass
+
+
+@pytest.mark.parametrize("device", devices())
+def test_overlap_keeps_one_pass_where_nothing_can_be_missed(device):
+    """A pool holding the whole layer, host mode and a full provider serve as usual."""
+    weights = random_weights(6, HIDDEN, INTER)
+    ids = torch.tensor([[0, 1]], device=device)
+    whole = CachedWeightProvider(weights, cache_size=6, mode="device", device=device)
+    host = CachedWeightProvider(weights, cache_size=3, mode="host", device=device)
+    full = FullGPUProvider({name: tensor.to(device) for name, tensor in weights.items()})
+    for provider in (whole, host, full):
+        (result,) = provider.passes(ids, overlap=True)
+        assert (result.topk_ids >= 0).all()
