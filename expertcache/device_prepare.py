@@ -23,6 +23,13 @@ need are empty (launches only)::
 
     pass 0      assign passes, admit pass 0, copy      -> slot ids of pass 0, -1 elsewhere
     pass g > 0  admit pass g, copy                     -> slot ids of pass g, -1 elsewhere
+
+``passes(..., overlap=True)`` of a decode call on a pool smaller than the layer (the caller
+sums passes exactly) splits it instead, so the hits' compute hides part of the copies::
+
+    hits        admit (hits and misses written apart), copy on the pool's copy stream
+                                                       -> hits' slot ids, -1 for misses
+    misses      current stream joins the copy stream   -> misses' slot ids, -1 for hits
 """
 
 from __future__ import annotations
@@ -130,8 +137,8 @@ def _hits_then_misses(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> It
     misses = torch.empty_like(ids)
     stream = pool.copy_stream()
     joined = False
-    hits = _admit_then_copy(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index,
-                    pool.no_passes, 0, misses=misses, copy_stream=stream)  # fmt: skip
+    hits = _admit_and_copy(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index,
+                           pool.no_passes, 0, misses)  # fmt: skip
     try:
         yield hits
         if stream is not None:
@@ -151,26 +158,14 @@ def _admit_and_copy(
     layer: int,
     pass_of: torch.Tensor,
     pass_index: int,
-) -> torch.Tensor:
-    """One call (``pass_of`` empty) or one pass of a call: admission, then copies."""
-    return _admit_then_copy(topk_ids, state, slots, pool, layer, pass_of, pass_index)
-
-
-def _admit_then_copy(
-    topk_ids: torch.Tensor,
-    state: torch.Tensor,
-    slots: list[torch.Tensor],
-    pool: int,
-    layer: int,
-    pass_of: torch.Tensor,
-    pass_index: int,
     misses: torch.Tensor | None = None,
-    copy_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
-    """`_admit_and_copy`; with ``misses``, the returned slot ids are the hits' and ``misses``
-    receives the misses'; with ``copy_stream``, the copies run there, after the admission
-    (the caller joins it)."""
+    """One call (``pass_of`` empty) or one pass of a call: admission, then copies. With
+    ``misses`` (an overlapped call) the returned slot ids are the hits', ``misses`` receives
+    the misses', and the copies run on the pool's copy stream after the admission (the
+    caller joins it)."""
     owner = _POOLS[pool]
+    copy_stream = owner.copy_stream() if misses is not None else None
     entry = owner.ordered_layers[layer]
     tables = owner.tables if state.data_ptr() == owner.tables.buffer.data_ptr() else _view_like(owner.tables, state)
     out = torch.empty_like(topk_ids)
@@ -206,12 +201,12 @@ def _on_stream(stream: torch.cuda.Stream | None):
 
 
 _op = torch.library.custom_op(
-    "expertcache::prepare_on_device", _admit_and_copy, mutates_args=("state", "slots", "pass_of")
+    "expertcache::prepare_on_device", _admit_and_copy, mutates_args=("state", "slots", "pass_of", "misses")
 )
 
 
 @_op.register_fake
-def _(topk_ids, state, slots, pool, layer, pass_of, pass_index) -> torch.Tensor:
+def _(topk_ids, state, slots, pool, layer, pass_of, pass_index, misses=None) -> torch.Tensor:
     return torch.empty_like(topk_ids)
 
 
