@@ -187,7 +187,8 @@ class CachedWeightProvider(ExpertWeightProvider):
             before anything is copied; every expert is loaded at most once per call. Run
             the kernel on each result before taking the next: the next pass may overwrite
             its slots. Device mode yields `expertcache.passes.max_passes` results whatever
-            the routing (no sync: a CUDA graph captures them), the unneeded ones all -1.
+            the routing (no sync: a CUDA graph captures them), the unneeded ones all -1; an
+            overlapped call that fits in one pass yields two (hits, then misses).
 
         Raises:
             As ``prepare`` (never `CacheCapacityError`); bad ids raise before anything runs.

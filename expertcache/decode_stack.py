@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from expertcache.kernels.apply_passes import moe_apply_passes
+from expertcache.kernels.quant_passes import moe_apply_quant_passes
 from expertcache.provider import ExpertWeightProvider
 from expertcache.result import ExpertWeightResult
 
@@ -44,8 +45,10 @@ class DecodeStack:
         seed: the dense parts are drawn from it, so stacks with the same seed compute the
             same function.
         apply: the expert kernel over a call's passes (default `moe_apply_passes`).
-        overlap: let device-mode caches overlap copies with the hits' compute (passed to
-            ``provider.passes``); only for an ``apply`` that sums passes exactly.
+        overlap: let device-mode caches overlap copies with the hits' compute
+            (``provider.passes(ids, overlap=True)``): only for an ``apply`` that sums passes
+            exactly. Default (None): on for `moe_apply_passes` and `moe_apply_quant_passes`,
+            off for any other ``apply``.
     """
 
     def __init__(
@@ -58,10 +61,10 @@ class DecodeStack:
         device: torch.device | str,
         seed: int = 0,
         apply: ExpertApply = moe_apply_passes,
-        overlap: bool = True,
+        overlap: bool | None = None,
     ) -> None:
         self.apply = apply
-        self.overlap = overlap
+        self.overlap = apply in (moe_apply_passes, moe_apply_quant_passes) if overlap is None else overlap
         gen = torch.Generator().manual_seed(seed)
         scale = hidden_size**-0.5
         self.providers = list(providers)
@@ -92,7 +95,8 @@ class DecodeStack:
             ids = routing[layer]
             logits = (h @ self.router[layer]).float()
             weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
-            h = h + self.apply(h, provider.passes(ids, overlap=self.overlap), weights)
+            results = provider.passes(ids, overlap=True) if self.overlap else provider.passes(ids)
+            h = h + self.apply(h, results, weights)
         return h
 
 

@@ -173,6 +173,7 @@ def _admit_and_copy(
     passes = pass_of if pass_of.numel() else None
     where = dict(num_global=entry.num_global, key_offset=entry.key_offset)
     with owner.guard, on_device(owner.device), deferred_interrupts():
+        _after_copies(owner)
         backup = _snapshot(owner, state)
         try:
             if passes is not None and pass_index == 0:
@@ -190,6 +191,16 @@ def _admit_and_copy(
                 _roll_back(owner, tables, named, backup)
             raise
     return out
+
+
+def _after_copies(pool: SlotPool) -> None:
+    """Order this call after any copy an overlapped call left on the pool's copy stream: the
+    caller of that call's passes may not have asked for its misses pass yet (an error in its
+    kernel, a generator held open, another layer of a shared pool or another thread in
+    between), and this call's admission rewrites the plan that copy reads."""
+    stream = pool._copy_stream
+    if stream is not None:
+        torch.cuda.current_stream(pool.device).wait_stream(stream)
 
 
 def _on_stream(stream: torch.cuda.Stream | None):

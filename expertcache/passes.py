@@ -13,7 +13,10 @@ group, and its result marks every other group's ids -1, so a fused-MoE kernel th
 so resident experts are used before anything is copied, every expert is loaded at most
 once per call, and a pass never evicts a key of its own group (earlier groups are done
 with their slots). The number of passes is ``ceil(distinct keys / S)``; a CUDA graph
-captures `max_passes` of them (the most the call's shape allows), the rest empty.
+captures `max_passes` of them (the most the call's shape allows), the rest empty. (A
+device-mode call that fits in one pass may instead be served as its hits, then its
+misses, to overlap copies with compute: ``passes(ids, overlap=True)``; that split copies
+exactly what the one pass copies.)
 
 Host mode (any policy), device mode (`expertcache.kernels.passes`, on the GPU), the
 transformers integration and the EP layer run through `ExpertWeightProvider.passes`, and

@@ -215,13 +215,15 @@ class SlotPool:
                 does). A device-mode pool that cannot hold every expert of the layer then
                 serves a decode-sized call (at most 64 ids) that fits in one pass as two: its
                 hits at once, computed while its misses are copied on the pool's copy stream,
-                then its misses. Host mode serves the call as usual.
+                then its misses. Host mode, and device mode under ``torch.compile`` (no
+                streams in a traced op), serve the call as usual.
 
         Returns:
             An iterator of ``[T, K]`` slot ids, one per pass: this pass's ids remapped,
             -1 for the ids of other passes (and for other ranks' experts). Host mode takes
             ``ceil(distinct experts / S)`` passes; device mode always
-            `expertcache.passes.max_passes` (no sync; the unneeded ones are empty). Each
+            `expertcache.passes.max_passes` (no sync; the unneeded ones are empty), or two
+            for an overlapped call (hits, then misses). Each
             pass is atomic: an error leaves the pool as it was before that pass. A pass's
             slots hold its experts until the next pass (or ``prepare``) on this pool.
         """

@@ -134,3 +134,30 @@ def test_chained_apply_waits_for_copies_of_large_experts(chained_launches):
     for step in range(1, steps + 1):
         assert torch.equal(graphed(hidden[step], routing[step]), full.step(hidden[step], routing[step])), step
     assert cached.stats.misses >= steps  # copies in (nearly) every replay
+
+
+def test_a_call_after_an_unfinished_overlapped_call_waits_for_its_copies():
+    """An overlapped call whose misses pass is never asked for (its kernel raised, the
+    generator is held): the next call on the pool still runs after its copies, so slots and
+    tables agree with the store and the next result is right."""
+    experts, hidden_size, inter, top_k = 16, 2048, 768, 4
+    gen = torch.Generator().manual_seed(4)
+    weights = random_weights(experts, hidden_size, inter, dtype=torch.bfloat16, generator=gen)
+    provider = CachedWeightProvider(weights, cache_size=2 * top_k, device="cuda", mode="device")
+    full = {k: v.cuda() for k, v in weights.items()}
+    held = []
+    for step in range(6):
+        ids = torch.arange(top_k, device="cuda")[None] + (step * top_k) % experts  # all misses
+        passes = provider.passes(ids, overlap=True)
+        next(passes)  # the hits pass only; its copies still run on the copy stream
+        held.append(passes)
+        later = (ids + top_k) % experts
+        result = provider.prepare(later)
+        x, router = (
+            torch.randn(1, hidden_size, device="cuda", dtype=torch.bfloat16),
+            torch.rand(1, top_k, device="cuda"),
+        )
+        assert torch.equal(moe_apply(x, result.w1, result.w2, router, result.topk_ids),
+                           moe_apply(x, full["w1"], full["w2"], router, later))  # fmt: skip
+    torch.cuda.synchronize()
+    _slots_match_store(provider)

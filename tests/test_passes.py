@@ -247,3 +247,29 @@ def test_overlap_keeps_one_pass_where_nothing_can_be_missed(device):
     for provider in (whole, host, full):
         (result,) = provider.passes(ids, overlap=True)
         assert (result.topk_ids >= 0).all()
+
+
+def test_decode_stack_overlaps_only_with_an_apply_that_sums_passes_exactly():
+    from expertcache.decode_stack import DecodeStack
+    from expertcache.provider import ExpertWeightProvider
+
+    class OldSignature(ExpertWeightProvider):  # a provider written before ``overlap`` existed
+        def __init__(self, weights):
+            self.full = FullGPUProvider(weights)
+
+        def prepare(self, topk_ids):
+            return self.full.prepare(topk_ids)
+
+        def passes(self, topk_ids):
+            yield self.prepare(topk_ids)
+
+    weights = random_weights(6, HIDDEN, INTER)
+    assert DecodeStack([], HIDDEN, 6, dtype=torch.float32, device="cpu").overlap
+
+    def per_pass_sum(hidden, results, topk_weights):  # sums each pass's output: not exact
+        return sum(moe_apply(hidden, r.w1, r.w2, topk_weights, r.topk_ids) for r in results)
+
+    summed = DecodeStack([OldSignature(weights)], HIDDEN, 6, dtype=torch.float32, device="cpu", apply=per_pass_sum)
+    assert not summed.overlap
+    out = summed.step(torch.randn(1, HIDDEN), torch.tensor([[[0, 1]]]))
+    assert out.shape == (1, HIDDEN)
