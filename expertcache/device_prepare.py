@@ -135,19 +135,15 @@ def _hits_then_misses(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> It
     """One call as two passes: the hits' slot ids at once, while the misses are copied on
     the pool's copy stream; the misses' slot ids once the current stream has joined it."""
     misses = torch.empty_like(ids)
-    stream = pool.copy_stream()
-    joined = False
     hits = _admit_and_copy(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index,
                            pool.no_passes, 0, misses)  # fmt: skip
+    pool.copies_pending = pool.copy_stream() is not None
     try:
         yield hits
-        if stream is not None:
-            torch.cuda.current_stream(pool.device).wait_stream(stream)
-        joined = True
+        _after_copies(pool)  # the misses' slots are filled once the current stream has joined
         yield misses
     finally:
-        if not joined and stream is not None:  # the caller stopped early: join anyway
-            torch.cuda.current_stream(pool.device).wait_stream(stream)
+        _after_copies(pool)  # the caller stopped early: join anyway
 
 
 def _admit_and_copy(
@@ -194,13 +190,13 @@ def _admit_and_copy(
 
 
 def _after_copies(pool: SlotPool) -> None:
-    """Order this call after any copy an overlapped call left on the pool's copy stream: the
-    caller of that call's passes may not have asked for its misses pass yet (an error in its
-    kernel, a generator held open, another layer of a shared pool or another thread in
-    between), and this call's admission rewrites the plan that copy reads."""
-    stream = pool._copy_stream
-    if stream is not None:
-        torch.cuda.current_stream(pool.device).wait_stream(stream)
+    """Order this call after copies an overlapped call left on the pool's copy stream whose
+    misses pass was never asked for (an error in the caller's kernel, a generator held open,
+    another layer of a shared pool or another thread in between): this call's admission
+    rewrites the plan those copies read. (A finished overlapped call has joined already.)"""
+    if pool.copies_pending:
+        torch.cuda.current_stream(pool.device).wait_stream(pool.copy_stream())
+        pool.copies_pending = False
 
 
 def _on_stream(stream: torch.cuda.Stream | None):

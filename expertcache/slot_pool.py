@@ -119,6 +119,8 @@ class SlotPool:
             self.no_passes = torch.empty(0, dtype=torch.int32, device=self.device)  # a call of one pass
         self.op_id = device_prepare.register(self)
         self._copy_stream: torch.cuda.Stream | None = None
+        #: an overlapped call's copies are on the copy stream, not yet joined (device_prepare)
+        self.copies_pending = False
         self.policy = chosen  # claimed by the first attach, so a pool that never serves binds nothing
 
     @classmethod
