@@ -29,7 +29,8 @@ from typing import NamedTuple
 import torch
 
 from expertcache.kernels._launch import on_device
-from expertcache.kernels.expert_apply import _check, _check_scales, launch_pairs, launch_sum
+from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
+from expertcache.kernels.expert_apply import launch_pairs, launch_sum
 from expertcache.kernels.grouped_apply import _TENSOR_CORE_DTYPES, default_tiles, launch_grouped_pairs, takes_grouped
 from expertcache.result import ExpertWeightResult
 
@@ -114,8 +115,8 @@ def moe_apply_passes(
 
     def launch_of(result: ExpertWeightResult) -> PassLaunch:
         w1, w2 = result.w1, result.w2
-        _check(hidden, w1, w2, topk_weights, result.topk_ids)
-        _check_scales(w1, w2, result.w1_scale, result.w2_scale, scale_block)
+        check_apply_inputs(hidden, w1, w2, topk_weights, result.topk_ids)
+        check_scales(w1, w2, result.w1_scale, result.w2_scale, scale_block)
         if not chosen:
             chosen.append(takes_grouped(w1, w2, result.w1_scale, pairs) if kernel == "auto" else kernel == "grouped")
 

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from expertcache.kernels._launch import chained, on_device, runs_on
+from expertcache.kernels._launch import chained, on_device
+from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
 
 
 @triton.jit
@@ -164,8 +165,8 @@ def moe_apply(
     A ``torch.library`` custom op (``expertcache::moe_apply``): ``torch.compile`` traces it
     without a graph break.
     """
-    _check(hidden, w1, w2, topk_weights, topk_ids)
-    _check_scales(w1, w2, w1_scale, w2_scale, scale_block)
+    check_apply_inputs(hidden, w1, w2, topk_weights, topk_ids)
+    check_scales(w1, w2, w1_scale, w2_scale, scale_block)
     if invalid_ids is not None and (
         invalid_ids.dtype != torch.int64 or invalid_ids.numel() != 1 or invalid_ids.device != hidden.device
     ):
@@ -283,49 +284,3 @@ _moe_apply_op = torch.library.custom_op("expertcache::moe_apply", _moe_apply, mu
 def _(hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, scale_block, fp32_out, block_i, block_h, block_rows):
     dtype = torch.float32 if fp32_out else hidden.dtype
     return hidden.new_empty(topk_ids.shape[0], w2.shape[1], dtype=dtype), hidden.new_empty(1, dtype=torch.int64)
-
-
-def _check_scales(w1, w2, w1_scale, w2_scale, block: int) -> None:
-    if (w1_scale is None) != (w2_scale is None):
-        raise ValueError("give both w1_scale and w2_scale, or neither")
-    if w1_scale is None:
-        return
-    if not isinstance(block, int) or block < 1:
-        raise ValueError(f"scale_block must be a positive int, got {block!r}")
-    for name, scales, weights in (("w1_scale", w1_scale, w1), ("w2_scale", w2_scale, w2)):
-        expected = (weights.shape[0], -(-weights.shape[1] // block), -(-weights.shape[2] // block))
-        if tuple(scales.shape) != expected:
-            raise ValueError(f"{name} must be {list(expected)} (block {block}), got {list(scales.shape)}")
-        if not scales.is_floating_point() or scales.device != weights.device or scales.stride(2) != 1:
-            raise ValueError(f"{name} must be floating point on {weights.device} with a contiguous last dimension")
-
-
-def _check(hidden, w1, w2, topk_weights, topk_ids) -> None:
-    for name, tensor in (
-        ("hidden", hidden),
-        ("w1", w1),
-        ("w2", w2),
-        ("topk_weights", topk_weights),
-        ("topk_ids", topk_ids),
-    ):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
-    if not runs_on(hidden):
-        raise RuntimeError("moe_apply needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
-    if hidden.dim() != 2 or w1.dim() != 3 or w2.dim() != 3 or topk_ids.dim() != 2:
-        raise ValueError("hidden must be [T, H], w1 [N, 2I, H], w2 [N, H, I], topk_ids [T, K]")
-    if w1.shape[1] != 2 * w2.shape[2] or w1.shape[2] != w2.shape[1] or hidden.shape[1] != w2.shape[1]:
-        raise ValueError(f"shapes disagree: hidden {tuple(hidden.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
-    if w1.shape[0] != w2.shape[0]:
-        raise ValueError(f"w1 and w2 index different numbers of experts: {w1.shape[0]} and {w2.shape[0]}")
-    if w1.stride(2) != 1 or w2.stride(2) != 1 or hidden.stride(1) != 1:
-        raise ValueError("the last dimension of hidden, w1 and w2 must be contiguous")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
-        raise ValueError("topk_ids and topk_weights must both be [T, K] with T = hidden.shape[0]")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if not hidden.is_floating_point() or not topk_weights.is_floating_point():
-        raise TypeError(f"hidden and topk_weights must be floating point, got {hidden.dtype}, {topk_weights.dtype}")
-    for name, tensor in (("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if tensor.device != hidden.device:
-            raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import on_device
-from expertcache.kernels.expert_apply import _check, _check_scales, _sum_over_k_kernel, moe_apply
+from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
+from expertcache.kernels.expert_apply import _sum_over_k_kernel, moe_apply
 from expertcache.kernels.grouped_routing import sort_pairs_by_expert
 
 #: Pairs (``T*K``) from which `moe_apply_auto` takes the grouped GEMM over the GEMV. Set from
@@ -167,8 +168,8 @@ def moe_apply_grouped(
 
     A ``torch.library`` custom op (``expertcache::moe_apply_grouped``); no host sync.
     """
-    _check(hidden, w1, w2, topk_weights, topk_ids)
-    _check_scales(w1, w2, w1_scale, w2_scale, scale_block)
+    check_apply_inputs(hidden, w1, w2, topk_weights, topk_ids)
+    check_scales(w1, w2, w1_scale, w2_scale, scale_block)
     if w1_scale is not None:
         raise NotImplementedError("moe_apply_grouped has no block scales yet: use moe_apply (or moe_apply_auto)")
     if w1.dtype not in (torch.float32, *_TENSOR_CORE_DTYPES) or w2.dtype not in (torch.float32, *_TENSOR_CORE_DTYPES):
