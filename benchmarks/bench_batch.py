@@ -13,6 +13,10 @@ process, one set of pinned stores shared by every variant, one apply kernel
     device           device-mode CachedWeightProvider, per-layer pools, CUDA graph
     device global    device mode, one SlotPool shared by all layers (same total slots), CUDA graph
 
+(`DecodeStack` serves the device variants' calls with ``passes(ids, overlap=True)``: a call
+of at most 64 ids that fits in one pass on a pool smaller than the layer is served as its
+hits, then its misses; the ``max_passes`` column is the most passes the call's shape allows.)
+
 at 25% / 50% / 100% of each layer's experts in slots. Each variant warms up, then a run of
 steps is timed with CUDA events (one graph per batch size). Physical bound of a step::
 
