@@ -1,4 +1,4 @@
-"""Lossless exponent coding of bf16 / fp16 experts: the encoder and the pure-torch decoder.
+"""Lossless exponent coding of bf16 / fp16 experts: the encoder, and the names to import.
 
 A 16-bit float is ``sign | exponent | mantissa``. Trained (and normal-initialised) weights
 use few exponents (about 2.55 bits of entropy out of bf16's 8), so each value is stored as
@@ -9,24 +9,11 @@ not a variable-length parse, and the copy kernel decodes a block without reading
 measurement: ``benchmarks/compression_ratio.py``) a bf16 value takes 8 + 3 bits plus its share of the
 exceptions, about 0.70 of its raw bytes.
 
-One expert's tensor of ``n`` values is cut into blocks of ``block`` values (the last one
-shorter). One block, every part starting on a 16-byte boundary::
+This module holds the encoder (`analyse`, then `write_records`; `encode` does both). The
+code's parameters and the record layout are in `expertcache.exponent_code`, the pure-torch
+decoder in `expertcache.exponent_decode`; both are re-exported here, so everything the
+store and the kernels use imports from this module.
 
-    [ codebook: 16 B | literals: c B | codes: c x field_bits bits | exceptions: capacity B ]
-
-* codebook: byte ``k`` is the exponent of code ``k``, for the ``2**code_bits - 1`` most
-  frequent exponents of the block; code ``2**code_bits - 1`` is the *escape*.
-* literals: byte ``i`` is the low 8 bits of value ``i``'s literal ``sign << m | mantissa``
-  (``m`` mantissa bits: bf16's literal is exactly this byte).
-* codes: a little-endian bit stream, ``field_bits`` per value: the code in the low
-  ``code_bits``, then the literal's bits above 8 (none for bf16, 3 for fp16).
-* exceptions: one byte per escaped value, the exponent, in value order: the ``r``-th
-  escaped value of the block (``r`` = escapes before it, a prefix sum) has exception ``r``.
-  ``capacity`` is the most any block of this name holds, rounded up to 16, so every block
-  has the same size and block ``j`` of expert ``e`` starts at ``e * record_bytes + j *
-  block_bytes`` of the name's region: no table to read before the block.
-
-A name whose records would not be smaller than its raw bytes is stored raw (`pays`).
 Every bit pattern round-trips: NaN, Inf, denormals, signed zeros are exponents like others.
 """
 
@@ -37,107 +24,35 @@ from dataclasses import dataclass
 
 import torch
 
+from expertcache.exponent_code import (
+    DEFAULT_BLOCK,
+    DEFAULT_CODE_BITS,
+    FLOAT16_FIELDS,
+    HEADER_BYTES,
+    ExponentCode,
+    RecordFormat,
+    _pad16,
+)
+from expertcache.exponent_decode import decode_records_torch
+
+__all__ = [
+    "COMPRESSIONS",
+    "DEFAULT_BLOCK",
+    "DEFAULT_CODE_BITS",
+    "FLOAT16_FIELDS",
+    "HEADER_BYTES",
+    "Analysis",
+    "ExponentCode",
+    "RecordFormat",
+    "analyse",
+    "decode_records_torch",
+    "encode",
+    "write_records",
+]
+
 #: Compression names `expertcache.store.CPUBackingStore` accepts (``None``: raw bytes).
 COMPRESSIONS = ("exponent",)
-
-#: (exponent bits, mantissa bits) of the dtypes the code applies to.
-FLOAT16_FIELDS = {torch.bfloat16: (8, 7), torch.float16: (5, 10)}
-
-HEADER_BYTES = 16
-DEFAULT_BLOCK = 8192  # values per block: ~11 KB of bf16 codes, one read of the copy kernel
-DEFAULT_CODE_BITS = 3
 _VALUES_PER_STEP = 1 << 24  # values encoded per vectorised step (bounds temporaries)
-
-
-def _pad16(n: int) -> int:
-    return -(-n // 16) * 16
-
-
-@dataclass(frozen=True, slots=True)
-class ExponentCode:
-    """The code of one dtype: ``code_bits`` per exponent, ``block`` values per block.
-
-    Attributes:
-        dtype: ``torch.bfloat16`` or ``torch.float16``.
-        code_bits: 2 to 4; ``2**code_bits - 1`` codebook entries plus the escape.
-        block: values per block, a power of two from 16 to 65536.
-    """
-
-    dtype: torch.dtype
-    code_bits: int = DEFAULT_CODE_BITS
-    block: int = DEFAULT_BLOCK
-
-    def __post_init__(self) -> None:
-        if self.dtype not in FLOAT16_FIELDS:
-            raise ValueError(f"exponent coding applies to bfloat16 and float16 tensors, not {self.dtype}")
-        if self.code_bits not in (2, 3, 4):
-            raise ValueError(f"code_bits must be 2, 3 or 4, got {self.code_bits!r}")
-        if self.block < 16 or self.block > 65536 or self.block & (self.block - 1):
-            raise ValueError(f"block must be a power of two from 16 to 65536, got {self.block!r}")
-
-    @property
-    def exponent_bits(self) -> int:
-        return FLOAT16_FIELDS[self.dtype][0]
-
-    @property
-    def mantissa_bits(self) -> int:
-        return FLOAT16_FIELDS[self.dtype][1]
-
-    @property
-    def field_bits(self) -> int:
-        """Bits per value in the code stream: the code and the literal's bits above 8."""
-        return self.code_bits + self.mantissa_bits + 1 - 8
-
-    @property
-    def escape(self) -> int:
-        return (1 << self.code_bits) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class RecordFormat:
-    """Where everything is in the records of one name (one record per expert).
-
-    Attributes:
-        code: the code.
-        values: values of one expert's tensor (``n``).
-        capacity: exception bytes every block reserves (a multiple of 16).
-    """
-
-    code: ExponentCode
-    values: int
-    capacity: int
-
-    @property
-    def num_blocks(self) -> int:
-        return -(-self.values // self.code.block)
-
-    def block_bytes(self, count: int | None = None) -> int:
-        """Bytes of a block of ``count`` values (default: a whole block)."""
-        count = self.code.block if count is None else count
-        return HEADER_BYTES + _pad16(count) + self.code_bytes(count) + self.capacity
-
-    def code_bytes(self, count: int) -> int:
-        """Bytes of the code stream of a block of ``count`` values (padded to 16)."""
-        return _pad16(-(-count * self.code.field_bits // 8))
-
-    @property
-    def last_values(self) -> int:
-        return self.values - (self.num_blocks - 1) * self.code.block
-
-    @property
-    def record_bytes(self) -> int:
-        """Bytes of one expert's record: every block, the last one shorter."""
-        if self.values == 0:
-            return 0
-        return (self.num_blocks - 1) * self.block_bytes() + self.block_bytes(self.last_values)
-
-    @property
-    def raw_bytes(self) -> int:
-        return 2 * self.values
-
-    def pays(self) -> bool:
-        """True when the records are smaller than the raw tensor."""
-        return 0 < self.record_bytes < self.raw_bytes
 
 
 @dataclass(frozen=True)
@@ -307,39 +222,3 @@ def encode(
     out = torch.empty(int(tensor.shape[0]), analysis.format.record_bytes, dtype=torch.uint8)
     write_records(tensor, analysis, out, device=device)
     return analysis.format, out
-
-
-def _unpack(stream: torch.Tensor, count: int, field_bits: int) -> torch.Tensor:
-    """``[R, bytes]`` little-endian bit stream -> ``[R, count]`` int64 fields, bit by bit."""
-    bits = (stream.long().unsqueeze(2) >> torch.arange(8)) & 1
-    bits = bits.flatten(1)[:, : count * field_bits].view(stream.shape[0], count, field_bits)
-    return (bits << torch.arange(field_bits)).sum(2)
-
-
-def _decode_blocks(blocks: torch.Tensor, count: int, fmt: RecordFormat) -> torch.Tensor:
-    """``[R, block bytes]`` blocks of ``count`` values each -> ``[R, count]`` int64 bit patterns."""
-    code = fmt.code
-    literal_at, code_at = HEADER_BYTES, HEADER_BYTES + _pad16(count)
-    exception_at = code_at + fmt.code_bytes(count)
-    fields = _unpack(blocks[:, code_at:exception_at], count, code.field_bits)
-    codes = fields & code.escape
-    literal = blocks[:, literal_at : literal_at + count].long() | ((fields >> code.code_bits) << 8)
-    escaped = codes == code.escape
-    rank = (escaped.cumsum(1) - 1).clamp(min=0)
-    # one zero byte past the exceptions: a block without escapes gathers from something
-    exceptions = torch.nn.functional.pad(blocks[:, exception_at : exception_at + fmt.capacity].long(), (0, 1))
-    from_book = blocks[:, : code.escape].long().gather(1, codes.clamp(max=code.escape - 1))
-    exponent = torch.where(escaped, exceptions.gather(1, rank.clamp(max=fmt.capacity)), from_book)
-    m = code.mantissa_bits
-    return ((literal >> m) << 15) | (exponent << m) | (literal & ((1 << m) - 1))
-
-
-def decode_records_torch(records: torch.Tensor, fmt: RecordFormat) -> torch.Tensor:
-    """Reference decoder: ``[E, record_bytes]`` uint8 records -> ``[E, values]`` of ``fmt``'s dtype."""
-    records = records.cpu()
-    experts, full = records.shape[0], fmt.num_blocks - 1
-    whole = records[:, : full * fmt.block_bytes()].reshape(experts * full, fmt.block_bytes())
-    parts = [_decode_blocks(whole, fmt.code.block, fmt).view(experts, -1)]
-    parts.append(_decode_blocks(records[:, full * fmt.block_bytes() :], fmt.last_values, fmt))
-    bits = torch.cat(parts, dim=1)
-    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(fmt.code.dtype)

@@ -22,203 +22,31 @@ Usage::
 Every argument is checked before anything is registered or bound; a start that fails (a
 port in use) leaves nothing registered, so starting again on a free port works, and
 ``close()`` unregisters what the start registered.
+
+This module holds the HTTP endpoint (`start_metrics_server`, `MetricsServer`); the collector
+is `expertcache.metrics_collector.CacheCollector` and the timing wrapper
+`expertcache.timed_provider.TimedProvider`, both re-exported here.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import re
 import socket
-import threading
-import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
-import torch
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from expertcache.provider import ExpertWeightProvider
-from expertcache.result import ExpertWeightResult
-from expertcache.stats import CacheStats
+from expertcache.metrics_collector import CacheCollector, HasStats
+from expertcache.timed_provider import PREPARE_BUCKETS, TimedProvider
 
-#: Upper bounds (seconds) of the prepare-time histogram buckets.
-PREPARE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
-
-_COUNTERS = (
-    ("hits", "hits", "Distinct experts of a call already resident, summed over calls."),
-    ("misses", "misses", "Distinct experts of a call copied in, summed over calls."),
-    ("evictions", "evictions", "Resident experts dropped to make room."),
-    ("bytes_copied", "bytes_h2d", "Bytes copied from the host store into GPU slots."),
-    (
-        "compressed_bytes_copied",
-        "compressed_bytes_h2d",
-        "Bytes those copies read from the host store as stored: the coded bytes of a compressed store "
-        "(compression='exponent'), bytes_copied otherwise.",
-    ),
-    ("prepare_calls", "calls", "prepare() calls that completed."),
-)
-
-
-class HasStats(Protocol):
-    """Anything with a `CacheStats` snapshot: a provider, a wrapper, a model's layers."""
-
-    @property
-    def stats(self) -> CacheStats: ...
-
-
-class TimedProvider(ExpertWeightProvider):
-    """Wraps a provider and records the host wall time of every ``prepare``.
-
-    Only wrap when metrics are wanted: the wrapper adds two clock reads per call. On a GPU
-    the time is what the host spends in ``prepare`` (admission, the id read, launches);
-    copies it enqueued may still be running when it returns.
-    """
-
-    def __init__(self, provider: ExpertWeightProvider, *, buckets: tuple[float, ...] = PREPARE_BUCKETS) -> None:
-        if not hasattr(provider, "prepare") or not hasattr(provider, "stats"):
-            raise TypeError(f"TimedProvider wraps a provider with prepare() and stats, got {type(provider).__name__}")
-        bounds = tuple(buckets)
-        if not bounds or not all(_positive_finite(bound) for bound in bounds) or list(bounds) != sorted(set(bounds)):
-            raise ValueError(f"buckets must be increasing positive finite seconds, got {bounds!r:.80}")
-        self.provider = provider
-        self.buckets = tuple(float(bound) for bound in bounds)
-        self._counts = [0] * (len(self.buckets) + 1)  # the last bucket is +Inf
-        self._sum = 0.0
-
-    @property
-    def stats(self) -> CacheStats:
-        """The wrapped provider's `CacheStats`."""
-        return self.provider.stats  # type: ignore[attr-defined]
-
-    def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
-        start = time.perf_counter()
-        result = self.provider.prepare(topk_ids)
-        elapsed = time.perf_counter() - start
-        self._counts[bisect.bisect_left(self.buckets, elapsed)] += 1
-        self._sum += elapsed
-        return result
-
-    def prepare_seconds(self) -> tuple[list[tuple[str, int]], float]:
-        """Cumulative ``(upper bound, count)`` buckets (last ``"+Inf"``) and the sum."""
-        cumulative, total = [], 0
-        for bound, count in zip((*map(str, self.buckets), "+Inf"), self._counts, strict=True):
-            total += count
-            cumulative.append((bound, total))
-        return cumulative, self._sum
-
-
-class CacheCollector(Collector):
-    """Reads tracked providers' ``stats`` on every scrape.
-
-    Args:
-        providers: ``{layer label: provider}``; more can be added with `track`.
-        namespace: metric name prefix.
-    """
-
-    def __init__(self, providers: Mapping[str, HasStats] | None = None, *, namespace: str = "expertcache") -> None:
-        if not isinstance(namespace, str) or not _METRIC_NAME.fullmatch(namespace):
-            raise ValueError(
-                f"namespace must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), got {namespace!r}"
-            )
-        self.namespace = namespace
-        self._providers: dict[str, HasStats] = {}
-        self._frozen: dict[str, CacheStats] | None = None
-        self._pause_depth = 0
-        self._lock = threading.Lock()  # a read in flight ends before paused() returns
-        for layer, provider in self.check_new(providers).items():
-            self.track(layer, provider)
-
-    def check_new(self, providers: Mapping[str, HasStats] | None) -> dict[str, HasStats]:
-        """``providers`` keyed by label, after checking `track` would take every one.
-
-        Raises:
-            TypeError: not a mapping, or a provider without ``stats``. ValueError: a label
-                already tracked, or two that read the same as strings.
-        """
-        if providers is None:
-            return {}
-        if not isinstance(providers, Mapping):
-            raise TypeError(f"providers must be a mapping {{layer label: provider}}, got {type(providers).__name__}")
-        checked: dict[str, HasStats] = {}
-        for layer, provider in providers.items():
-            label = self._check_label(layer, provider)
-            if label in checked:
-                raise ValueError(f"two providers are labelled layer {label!r}")
-            checked[label] = provider
-        return checked
-
-    def track(self, layer: str, provider: HasStats) -> None:
-        """Expose ``provider`` (anything with a ``stats`` `CacheStats`) under ``layer``.
-
-        Raises:
-            TypeError: ``provider`` has no ``stats``. ValueError: ``layer`` is already tracked.
-        """
-        label = self._check_label(layer, provider)
-        with self._lock:
-            self._providers[label] = provider
-
-    def _check_label(self, layer: object, provider: object) -> str:
-        if not isinstance(layer, (str, int)) or isinstance(layer, bool):
-            raise TypeError(f"a layer label is a str or an int, got {type(layer).__name__}")
-        if not hasattr(provider, "stats"):
-            raise TypeError(f"provider for layer {layer!r} has no stats to expose")
-        if str(layer) in self._providers:
-            raise ValueError(f"layer {str(layer)!r} is already tracked")
-        return str(layer)
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Serve the values read on entry, without touching the providers, until exit.
-
-        Wrap CUDA graph capture in it: a device-driven cache's ``stats`` reads device
-        counters (a device-to-host copy), which a scrape thread must not issue while
-        another thread captures under torch's default (global) capture mode. Pauses nest:
-        the values stay frozen until the outermost one exits.
-        """
-        with self._lock:
-            if self._pause_depth == 0:
-                self._frozen = self._read()
-            self._pause_depth += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._pause_depth -= 1
-                if self._pause_depth == 0:
-                    self._frozen = None
-
-    def _read(self) -> dict[str, CacheStats]:
-        return {layer: provider.stats for layer, provider in self._providers.items()}
-
-    @property
-    def is_paused(self) -> bool:
-        """Whether scrapes serve the values frozen by `paused`."""
-        return self._pause_depth > 0
-
-    def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            snapshot = self._frozen if self._frozen is not None else self._read()
-            providers = dict(self._providers)
-        for name, field, documentation in _COUNTERS:
-            family = CounterMetricFamily(f"{self.namespace}_{name}", documentation, labels=["layer"])
-            for layer, stats in snapshot.items():
-                family.add_metric([layer], getattr(stats, field))
-            yield family
-        timing = HistogramMetricFamily(
-            f"{self.namespace}_prepare_seconds",
-            "Host wall time of prepare() (providers wrapped in TimedProvider).",
-            labels=["layer"],
-        )
-        for layer, provider in providers.items():
-            if isinstance(provider, TimedProvider):
-                buckets, total = provider.prepare_seconds()
-                timing.add_metric([layer], buckets, total)
-        yield timing
+__all__ = [
+    "PREPARE_BUCKETS",
+    "CacheCollector",
+    "HasStats",
+    "MetricsServer",
+    "TimedProvider",
+    "start_metrics_server",
+]
 
 
 @dataclass
@@ -289,13 +117,6 @@ def start_metrics_server(
     for layer, provider in new.items():
         collector.track(layer, provider)
     return MetricsServer(collector, registry, addr, server.server_port, server, thread)
-
-
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-
-
-def _positive_finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _check_port(port: object) -> None:

@@ -1,0 +1,131 @@
+"""The exponent code's parameters and where every byte of its records lies.
+
+Part of the lossless exponent coding of bf16 / fp16 experts (`expertcache.compression`
+encodes, `expertcache.exponent_decode` is the pure-torch decoder, the copy kernel
+`expertcache.kernels.decode_copy` decodes on the GPU); this module holds what they all
+agree on: `ExponentCode` (the dtype, code width and block size) and `RecordFormat` (the
+layout of one name's records).
+
+One expert's tensor of ``n`` values is cut into blocks of ``block`` values (the last one
+shorter). One block, every part starting on a 16-byte boundary::
+
+    [ codebook: 16 B | literals: c B | codes: c x field_bits bits | exceptions: capacity B ]
+
+* codebook: byte ``k`` is the exponent of code ``k``, for the ``2**code_bits - 1`` most
+  frequent exponents of the block; code ``2**code_bits - 1`` is the *escape*.
+* literals: byte ``i`` is the low 8 bits of value ``i``'s literal ``sign << m | mantissa``
+  (``m`` mantissa bits: bf16's literal is exactly this byte).
+* codes: a little-endian bit stream, ``field_bits`` per value: the code in the low
+  ``code_bits``, then the literal's bits above 8 (none for bf16, 3 for fp16).
+* exceptions: one byte per escaped value, the exponent, in value order: the ``r``-th
+  escaped value of the block (``r`` = escapes before it, a prefix sum) has exception ``r``.
+  ``capacity`` is the most any block of this name holds, rounded up to 16, so every block
+  has the same size and block ``j`` of expert ``e`` starts at ``e * record_bytes + j *
+  block_bytes`` of the name's region: no table to read before the block.
+
+A name whose records would not be smaller than its raw bytes is stored raw (`pays`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: (exponent bits, mantissa bits) of the dtypes the code applies to.
+FLOAT16_FIELDS = {torch.bfloat16: (8, 7), torch.float16: (5, 10)}
+
+HEADER_BYTES = 16
+DEFAULT_BLOCK = 8192  # values per block: ~11 KB of bf16 codes, one read of the copy kernel
+DEFAULT_CODE_BITS = 3
+
+
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+@dataclass(frozen=True, slots=True)
+class ExponentCode:
+    """The code of one dtype: ``code_bits`` per exponent, ``block`` values per block.
+
+    Attributes:
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        code_bits: 2 to 4; ``2**code_bits - 1`` codebook entries plus the escape.
+        block: values per block, a power of two from 16 to 65536.
+    """
+
+    dtype: torch.dtype
+    code_bits: int = DEFAULT_CODE_BITS
+    block: int = DEFAULT_BLOCK
+
+    def __post_init__(self) -> None:
+        if self.dtype not in FLOAT16_FIELDS:
+            raise ValueError(f"exponent coding applies to bfloat16 and float16 tensors, not {self.dtype}")
+        if self.code_bits not in (2, 3, 4):
+            raise ValueError(f"code_bits must be 2, 3 or 4, got {self.code_bits!r}")
+        if self.block < 16 or self.block > 65536 or self.block & (self.block - 1):
+            raise ValueError(f"block must be a power of two from 16 to 65536, got {self.block!r}")
+
+    @property
+    def exponent_bits(self) -> int:
+        return FLOAT16_FIELDS[self.dtype][0]
+
+    @property
+    def mantissa_bits(self) -> int:
+        return FLOAT16_FIELDS[self.dtype][1]
+
+    @property
+    def field_bits(self) -> int:
+        """Bits per value in the code stream: the code and the literal's bits above 8."""
+        return self.code_bits + self.mantissa_bits + 1 - 8
+
+    @property
+    def escape(self) -> int:
+        return (1 << self.code_bits) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RecordFormat:
+    """Where everything is in the records of one name (one record per expert).
+
+    Attributes:
+        code: the code.
+        values: values of one expert's tensor (``n``).
+        capacity: exception bytes every block reserves (a multiple of 16).
+    """
+
+    code: ExponentCode
+    values: int
+    capacity: int
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.values // self.code.block)
+
+    def block_bytes(self, count: int | None = None) -> int:
+        """Bytes of a block of ``count`` values (default: a whole block)."""
+        count = self.code.block if count is None else count
+        return HEADER_BYTES + _pad16(count) + self.code_bytes(count) + self.capacity
+
+    def code_bytes(self, count: int) -> int:
+        """Bytes of the code stream of a block of ``count`` values (padded to 16)."""
+        return _pad16(-(-count * self.code.field_bits // 8))
+
+    @property
+    def last_values(self) -> int:
+        return self.values - (self.num_blocks - 1) * self.code.block
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one expert's record: every block, the last one shorter."""
+        if self.values == 0:
+            return 0
+        return (self.num_blocks - 1) * self.block_bytes() + self.block_bytes(self.last_values)
+
+    @property
+    def raw_bytes(self) -> int:
+        return 2 * self.values
+
+    def pays(self) -> bool:
+        """True when the records are smaller than the raw tensor."""
+        return 0 < self.record_bytes < self.raw_bytes

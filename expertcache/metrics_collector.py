@@ -1,0 +1,155 @@
+"""`CacheCollector`: the Prometheus collector that reads tracked providers' ``stats`` per scrape.
+
+Part of the Prometheus metrics (`expertcache.metrics`, which serves a collector over HTTP).
+Nothing is counted in the hot path: on every scrape the collector reads each tracked
+provider's `CacheStats` (or the values frozen by `CacheCollector.paused`, around CUDA graph
+capture) and yields one counter family per field in `_COUNTERS`, labelled by layer, plus
+the prepare-time histogram of providers wrapped in `expertcache.timed_provider.TimedProvider`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from expertcache.stats import CacheStats
+from expertcache.timed_provider import TimedProvider
+
+_COUNTERS = (
+    ("hits", "hits", "Distinct experts of a call already resident, summed over calls."),
+    ("misses", "misses", "Distinct experts of a call copied in, summed over calls."),
+    ("evictions", "evictions", "Resident experts dropped to make room."),
+    ("bytes_copied", "bytes_h2d", "Bytes copied from the host store into GPU slots."),
+    (
+        "compressed_bytes_copied",
+        "compressed_bytes_h2d",
+        "Bytes those copies read from the host store as stored: the coded bytes of a compressed store "
+        "(compression='exponent'), bytes_copied otherwise.",
+    ),
+    ("prepare_calls", "calls", "prepare() calls that completed."),
+)
+
+
+class HasStats(Protocol):
+    """Anything with a `CacheStats` snapshot: a provider, a wrapper, a model's layers."""
+
+    @property
+    def stats(self) -> CacheStats: ...
+
+
+class CacheCollector(Collector):
+    """Reads tracked providers' ``stats`` on every scrape.
+
+    Args:
+        providers: ``{layer label: provider}``; more can be added with `track`.
+        namespace: metric name prefix.
+    """
+
+    def __init__(self, providers: Mapping[str, HasStats] | None = None, *, namespace: str = "expertcache") -> None:
+        if not isinstance(namespace, str) or not _METRIC_NAME.fullmatch(namespace):
+            raise ValueError(
+                f"namespace must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), got {namespace!r}"
+            )
+        self.namespace = namespace
+        self._providers: dict[str, HasStats] = {}
+        self._frozen: dict[str, CacheStats] | None = None
+        self._pause_depth = 0
+        self._lock = threading.Lock()  # a read in flight ends before paused() returns
+        for layer, provider in self.check_new(providers).items():
+            self.track(layer, provider)
+
+    def check_new(self, providers: Mapping[str, HasStats] | None) -> dict[str, HasStats]:
+        """``providers`` keyed by label, after checking `track` would take every one.
+
+        Raises:
+            TypeError: not a mapping, or a provider without ``stats``. ValueError: a label
+                already tracked, or two that read the same as strings.
+        """
+        if providers is None:
+            return {}
+        if not isinstance(providers, Mapping):
+            raise TypeError(f"providers must be a mapping {{layer label: provider}}, got {type(providers).__name__}")
+        checked: dict[str, HasStats] = {}
+        for layer, provider in providers.items():
+            label = self._check_label(layer, provider)
+            if label in checked:
+                raise ValueError(f"two providers are labelled layer {label!r}")
+            checked[label] = provider
+        return checked
+
+    def track(self, layer: str, provider: HasStats) -> None:
+        """Expose ``provider`` (anything with a ``stats`` `CacheStats`) under ``layer``.
+
+        Raises:
+            TypeError: ``provider`` has no ``stats``. ValueError: ``layer`` is already tracked.
+        """
+        label = self._check_label(layer, provider)
+        with self._lock:
+            self._providers[label] = provider
+
+    def _check_label(self, layer: object, provider: object) -> str:
+        if not isinstance(layer, (str, int)) or isinstance(layer, bool):
+            raise TypeError(f"a layer label is a str or an int, got {type(layer).__name__}")
+        if not hasattr(provider, "stats"):
+            raise TypeError(f"provider for layer {layer!r} has no stats to expose")
+        if str(layer) in self._providers:
+            raise ValueError(f"layer {str(layer)!r} is already tracked")
+        return str(layer)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Serve the values read on entry, without touching the providers, until exit.
+
+        Wrap CUDA graph capture in it: a device-driven cache's ``stats`` reads device
+        counters (a device-to-host copy), which a scrape thread must not issue while
+        another thread captures under torch's default (global) capture mode. Pauses nest:
+        the values stay frozen until the outermost one exits.
+        """
+        with self._lock:
+            if self._pause_depth == 0:
+                self._frozen = self._read()
+            self._pause_depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pause_depth -= 1
+                if self._pause_depth == 0:
+                    self._frozen = None
+
+    def _read(self) -> dict[str, CacheStats]:
+        return {layer: provider.stats for layer, provider in self._providers.items()}
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether scrapes serve the values frozen by `paused`."""
+        return self._pause_depth > 0
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            snapshot = self._frozen if self._frozen is not None else self._read()
+            providers = dict(self._providers)
+        for name, field, documentation in _COUNTERS:
+            family = CounterMetricFamily(f"{self.namespace}_{name}", documentation, labels=["layer"])
+            for layer, stats in snapshot.items():
+                family.add_metric([layer], getattr(stats, field))
+            yield family
+        timing = HistogramMetricFamily(
+            f"{self.namespace}_prepare_seconds",
+            "Host wall time of prepare() (providers wrapped in TimedProvider).",
+            labels=["layer"],
+        )
+        for layer, provider in providers.items():
+            if isinstance(provider, TimedProvider):
+                buckets, total = provider.prepare_seconds()
+                timing.add_metric([layer], buckets, total)
+        yield timing
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
