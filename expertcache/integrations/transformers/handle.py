@@ -1,11 +1,11 @@
-"""`enable_expert_cache`: serve every routed-expert block of a transformers model from the cache.
+"""`ExpertCacheHandle`: what `enable_expert_cache` returns for a model it serves.
 
-For each expert block (found by `discovery`), its per-expert parameters are copied into a
-`CachedWeightProvider` (pinned host store + GPU slots) and the parameters themselves shrink
-to empty placeholders, so the GPU keeps only the slots; shared experts, routers, attention
-and everything else stay where they were. The block's config then selects the
-``"expertcache"`` experts implementation (`dispatch`). The returned `ExpertCacheHandle`
-reports statistics and ``disable()`` puts the original weights back, all or nothing.
+The handle reports the cache's statistics (per expert block and in total), the providers
+serving each block and the bytes they hold; ``disable()`` puts the original weights back
+(`serving.restored_weights`, then `serving.put_back` for every block once all are built),
+all or nothing, and re-selects the experts implementation each config names now.
+`enable_expert_cache` and `check_cache_size`, which make the handle, live in `enabling`
+and are re-exported here.
 """
 
 from __future__ import annotations
@@ -15,34 +15,29 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
-from torch import nn
 
 from expertcache.cached_provider import CachedWeightProvider
 from expertcache.config import ExpertCacheConfig
 from expertcache.integrations.transformers import dispatch
-from expertcache.integrations.transformers.discovery import (
-    ExpertBlock,
-    UnsupportedModelError,
-    experts_interface_of,
-    find_expert_blocks,
-    model_family,
-)
+from expertcache.integrations.transformers.enabling import check_cache_size, enable_expert_cache
 from expertcache.integrations.transformers.serving import (
     ServedBlock,
-    block_layout,
     bytes_needed,
-    check_pin_budget,
     free_bytes,
     put_back,
     restored_weights,
-    serve_blocks,
-    shared_pool,
 )
 from expertcache.stats import CacheStats
 from expertcache.trace.recorder import RoutingRecorder
-from expertcache.validation import resolve_device
 
-_UNSET = object()
+__all__ = [
+    "RESTORE_TARGETS",
+    "ExpertCacheHandle",
+    "ExpertCacheStats",
+    "check_cache_size",
+    "enable_expert_cache",
+]
+
 
 #: Where ``disable(to=...)`` puts the experts back.
 RESTORE_TARGETS = ("original", "cpu")
@@ -176,173 +171,3 @@ class ExpertCacheHandle:
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
         return f"ExpertCacheHandle({len(self._served)} expert blocks, {self.config}, {state})"
-
-
-def enable_expert_cache(
-    model: nn.Module,
-    config: ExpertCacheConfig | None = _UNSET,  # type: ignore[assignment]
-    *,
-    cache_size: int | None = None,
-    policy: str | None = None,
-    budget: str | None = None,
-    device: str | torch.device | None = None,
-    pin_budget_bytes: int | None = None,
-    recorder: RoutingRecorder | None = None,
-    mode: str | None = None,
-    compression: str | None = None,
-) -> ExpertCacheHandle | None:
-    """Serve every routed-expert block of a transformers (5.x) model through the cache.
-
-    Args:
-        model: a transformers model (e.g. ``AutoModelForCausalLM``) with its weights loaded.
-        config: an `ExpertCacheConfig` (from `expertcache.cli.cache_config_from_args`) instead
-            of the keyword settings (giving both raises TypeError). ``None``, what that
-            function returns when the engine's flags leave the cache off, changes nothing
-            and returns None (with any keyword besides, which would be ignored: TypeError).
-        cache_size: GPU slots per MoE layer, between the router's top-k and the number of
-            experts per layer (with ``budget="global"``: one pool of cache_size x layers).
-        policy: eviction policy name (default ``"lru"``).
-        budget: ``"per-layer"`` or ``"global"`` (default: `expertcache.config.DEFAULT_BUDGET`).
-        device: where the slots live (default: where the expert weights are now; the
-            command line's ``--moe-expert-cache-device`` defaults to the GPU when there is one).
-        pin_budget_bytes: refuse, before pinning anything, to pin more host memory in all.
-        recorder: a `RoutingRecorder` that receives every MoE layer's ``topk_ids``.
-        mode: ``"host"`` (default) or ``"device"`` (GPU admission, LRU, CUDA-graph capturable).
-        compression: ``"exponent"``: store bf16/fp16 experts losslessly exponent-coded in
-            pinned memory (~0.70 of the bytes over PCIe, slots bit-identical); default None.
-            The pin budget is checked against the raw bytes (an upper bound).
-
-    Returns:
-        An `ExpertCacheHandle` (``stats``, ``disable()``, ``config``); None for ``config=None``.
-
-    Raises:
-        TypeError: ``model`` is not a module; config and keyword settings both given.
-        UnsupportedModelError: the model's experts cannot be served (names the family).
-        NoExpertsError: the model has no MoE layers.
-        ValueError: a setting out of range for this model; PinBudgetError: over the budget.
-        Nothing is changed when any of these is raised.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    settings: dict[str, object] = {
-        "cache_size": cache_size,
-        "policy": policy,
-        "budget": budget,
-        "device": device,
-        "pin_budget_bytes": pin_budget_bytes,
-        "mode": mode,
-        "compression": compression,
-    }
-    if config is None:
-        given = [name for name, value in {**settings, "recorder": recorder}.items() if value is not None]
-        if given:
-            raise TypeError(f"config=None turns the cache off, so {', '.join(given)} would be ignored; drop them")
-        return None
-    config = _resolve_config(config, settings)
-    if any(dispatch.is_bound(module) for module in model.modules()):
-        raise RuntimeError("the expert cache is already enabled on this model; disable() it first")
-    blocks = check_cache_size(model, config.cache_size)
-    _check_not_meta(model, blocks)
-    target = resolve_device(config.device or blocks[0].module.get_parameter("gate_up_proj").device)
-    inner = {block.name: _previous_implementation(model, block) for block in blocks}
-    layouts = [block_layout(block) for block in blocks]
-    check_pin_budget(blocks, layouts, config.pin_budget_bytes)
-    pool = shared_pool(blocks, layouts, config, target) if config.budget == "global" else None
-    if recorder is not None:
-        recorder.describe(
-            layers=[block.layer for block in blocks],
-            num_experts=max(block.num_experts for block in blocks),
-            model=model_family(model),
-        )
-    expert_bytes = sum(block.module.get_parameter(name).nbytes for block in blocks for name in block.parameter_names)
-    served = serve_blocks(blocks, config, target, pool)
-    handle = ExpertCacheHandle(config, served, recorder, expert_bytes)
-    for item in served:
-        block_config = getattr(item.block.module, "config")  # noqa: B009 - set by the decorator
-        name, function = inner[item.block.name]
-        selection = handle._selections.setdefault(id(block_config), dispatch.Selection(block_config, name))
-        dispatch.bind(item.block.module, _binding(item, function, recorder, selection, name))
-    for selection in handle._selections.values():
-        dispatch.set_config_implementation(selection.config, dispatch.IMPLEMENTATION_NAME)
-    return handle
-
-
-def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
-    """Find the model's expert blocks and check ``cache_size`` against them.
-
-    Works on a model built on the meta device too (no weights needed), so a command line can
-    reject a bad size before loading a checkpoint.
-
-    Returns:
-        The expert blocks.
-
-    Raises:
-        UnsupportedModelError / NoExpertsError: see `find_expert_blocks`.
-        ValueError: ``cache_size`` outside ``[top-k, experts per layer]``.
-    """
-    blocks = find_expert_blocks(model)
-    fewest = min(block.num_experts for block in blocks)
-    top_k = getattr(blocks[0].module.config, "num_experts_per_tok", None) or 1
-    if not top_k <= cache_size <= fewest:
-        raise ValueError(
-            f"the expert cache size (--moe-expert-cache-size, slots per MoE layer) must be between "
-            f"{top_k} (the router's top-k) and {fewest} (experts per layer) for this "
-            f"{model_family(model)} model, got {cache_size}"
-        )
-    return blocks
-
-
-def _resolve_config(config: object, settings: dict[str, object]) -> ExpertCacheConfig:
-    given = [name for name, value in settings.items() if value is not None]
-    if config is not _UNSET:
-        if not isinstance(config, ExpertCacheConfig):
-            raise TypeError(f"config must be an ExpertCacheConfig or None, got {type(config).__name__}")
-        if given:
-            raise TypeError(
-                f"give either config or the keyword settings, not both: {', '.join(given)} beside a config "
-                "would be ignored (use dataclasses.replace(config, ...) to change a setting)"
-            )
-        return config
-    if settings["cache_size"] is None:
-        raise TypeError("enable_expert_cache needs cache_size (GPU slots per MoE layer) or a config")
-    chosen = {name: value for name, value in settings.items() if value is not None}
-    if "device" in chosen:
-        chosen["device"] = str(chosen["device"])
-    return ExpertCacheConfig(**chosen)  # type: ignore[arg-type]
-
-
-def _check_not_meta(model: nn.Module, blocks: list[ExpertBlock]) -> None:
-    for block in blocks:
-        if any(block.module.get_parameter(name).is_meta for name in block.parameter_names):
-            raise ValueError(
-                f"{block.name} of this {model_family(model)} model has its weights on the meta "
-                f"device: load the weights (from_pretrained) before enabling the expert cache"
-            )
-
-
-def _previous_implementation(model: nn.Module, block: ExpertBlock) -> tuple[str, dispatch.ExpertsFunction]:
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    interface = experts_interface_of(block.module) or ALL_EXPERTS_FUNCTIONS
-    if not dispatch.register(interface):
-        reason = "dispatches through an experts registry that the cache is not registered in"
-        raise UnsupportedModelError(model_family(model), [(block.name, type(block.module).__name__, reason)])
-    previous = str(getattr(block.module, "config")._experts_implementation or "eager")  # noqa: B009
-    if previous == dispatch.IMPLEMENTATION_NAME:
-        raise RuntimeError(f"{block.name} already selects the {previous!r} experts implementation")
-    try:
-        return previous, dispatch.resolve(block.module, previous)
-    except KeyError as error:  # a name transformers' setter took for another class's registry
-        raise ValueError(f"{block.name}: {error.args[0]}") from None
-
-
-def _binding(
-    item: ServedBlock, inner, recorder, selection: dispatch.Selection, implementation: str
-) -> dispatch.Binding:
-    block = item.block
-    parameter_of = {block.cache_name(name): name for name in block.parameter_names}
-    dtypes = {name: saved.dtype for name, saved in item.saved.items()}
-    return dispatch.Binding(
-        item.provider, inner, parameter_of, block.layer, recorder,
-        selection=selection, implementation=implementation, dtypes=dtypes,
-    )  # fmt: skip
