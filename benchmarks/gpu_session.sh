@@ -34,7 +34,9 @@ for step in $steps; do
     suite) timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/suite.log" | tail -40 ;;
     graphed) timeout ${GRAPHED_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rfE tests/test_graphed_generator.py 2>&1 | tee "$OUT/graphed_tests.log" | tail -30 ;;
     quant) timeout ${QUANT_TIMEOUT:-300} python3 benchmarks/bench_quant.py ${QUANT_ARGS:-} 2>&1 | tee "$OUT/bench_quant.log" ;;
-    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=150 --durations=6 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests)  # the GPU-marked tests (~560 of them; over SUITE_WORKERS pytest-xdist workers: serially they take > 300 s)
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -m gpu -q -n ${SUITE_WORKERS:-8} -o cache_dir=/tmp/pytest-cache \
+        -o faulthandler_timeout=150 --durations=6 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     prepare) timeout 180 python3 benchmarks/bench_prepare.py --calls 100 2>&1 | tee "$OUT/bench_prepare.log" ;;
     decode) timeout 400 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" ;;
     decode-deepseek) timeout 400 python3 benchmarks/bench_decode.py --shape deepseek-v3 2>&1 | tee "$OUT/bench_decode_deepseek.log" ;;
