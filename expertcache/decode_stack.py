@@ -28,6 +28,7 @@ from expertcache.kernels.apply_passes import moe_apply_passes
 from expertcache.kernels.quant_passes import moe_apply_quant_passes
 from expertcache.provider import ExpertWeightProvider
 from expertcache.result import ExpertWeightResult
+from expertcache.validation import check_overlap
 
 #: An expert apply over the passes of one call: ``(hidden [T, H], results, topk_weights
 #: [T, K]) -> [T, H]`` in ``hidden``'s dtype (`expertcache.kernels.moe_apply_passes`).
@@ -64,7 +65,9 @@ class DecodeStack:
         overlap: bool | None = None,
     ) -> None:
         self.apply = apply
-        self.overlap = apply in (moe_apply_passes, moe_apply_quant_passes) if overlap is None else overlap
+        if overlap is None:
+            overlap = apply in (moe_apply_passes, moe_apply_quant_passes)
+        self.overlap = check_overlap(overlap)
         gen = torch.Generator().manual_seed(seed)
         scale = hidden_size**-0.5
         self.providers = list(providers)

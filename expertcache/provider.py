@@ -23,7 +23,7 @@ from expertcache.kernels import remap_topk_ids
 from expertcache.layout import layout_from_weights
 from expertcache.result import ExpertWeightResult
 from expertcache.stats import CacheStats
-from expertcache.validation import check_expert_map, check_topk_ids
+from expertcache.validation import check_expert_map, check_overlap, check_topk_ids
 
 _NAMED = ("w1", "w2", "w1_scale", "w2_scale")
 
@@ -66,7 +66,8 @@ class ExpertWeightProvider(ABC):
 
         A provider that holds every expert yields ``prepare(topk_ids)`` once.
         """
-        yield self.prepare(topk_ids)
+        check_overlap(overlap)
+        return (self.prepare(topk_ids) for _ in range(1))  # prepared when first asked for, as a generator
 
 
 def result_from_tensors(tensors: Mapping[str, torch.Tensor], topk_ids: torch.Tensor) -> ExpertWeightResult:

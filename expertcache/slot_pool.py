@@ -37,7 +37,7 @@ from expertcache.mover import MOVERS, POISON, CopyExpert, CopyGroup, DecodeGroup
 from expertcache.policies import EvictionPolicy, claim_policy, make_policy
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
-from expertcache.validation import check_mode_device, check_topk_ids, resolve_device
+from expertcache.validation import check_mode_device, check_overlap, check_topk_ids, resolve_device
 
 MODES = ("host", "device")
 
@@ -232,6 +232,7 @@ class SlotPool:
         if self.layers.get(layer.name) is not layer:
             raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
         check_topk_ids(topk_ids, self.device)
+        check_overlap(overlap)
         if self.mode == "device":
             return self._started_by(device_prepare.passes(self, layer, topk_ids, overlap))
         return self._started_by(host_prepare.passes(self, layer, topk_ids))

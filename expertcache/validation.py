@@ -52,6 +52,13 @@ def check_mode_device(device: torch.device) -> None:
         )
 
 
+def check_overlap(overlap: object) -> bool:
+    """``passes(..., overlap=)`` is a bool (a truthy string or tensor is not a promise)."""
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    return overlap
+
+
 def check_topk_ids(topk_ids: object, device: torch.device) -> torch.Tensor:
     """Check ``topk_ids`` is an int32/int64 ``[T, K]`` tensor on ``device`` (metadata only)."""
     if not isinstance(topk_ids, torch.Tensor):

@@ -273,3 +273,21 @@ def test_decode_stack_overlaps_only_with_an_apply_that_sums_passes_exactly():
     assert not summed.overlap
     out = summed.step(torch.randn(1, HIDDEN), torch.tensor([[[0, 1]]]))
     assert out.shape == (1, HIDDEN)
+
+
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_overlap_must_be_a_bool_and_a_bad_one_changes_nothing(mode):
+    weights = random_weights(6, HIDDEN, INTER)
+    provider = CachedWeightProvider(weights, cache_size=3, mode=mode, device="cpu")
+    full = FullGPUProvider(weights)
+    ids = torch.tensor([[0, 1]])
+    for bad in ("yes", 1, None):
+        for served in (provider, full):
+            with pytest.raises(TypeError, match="overlap"):
+                served.passes(ids, overlap=bad)
+        with pytest.raises(TypeError, match="overlap"):
+            from expertcache.decode_stack import DecodeStack
+
+            DecodeStack([provider], HIDDEN, 6, dtype=torch.float32, device="cpu", overlap=bad or "no")
+    assert provider.stats.calls == 0 and provider.resident() == frozenset()
+    assert len(list(provider.passes(ids, overlap=True))) in (1, 2)  # still serves
