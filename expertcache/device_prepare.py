@@ -121,7 +121,9 @@ def _run(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Ten
     # Eagerly the implementation runs directly (the dispatcher costs ~10 us a call);
     # torch.compile sees the custom op.
     run = torch.ops.expertcache.prepare_on_device if torch.compiler.is_compiling() else _admit_and_copy
-    return run(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index)
+    # ``misses`` is passed although None: torch 2.11's custom-op mutation checks index every
+    # declared mutable argument positionally (an omitted one raised IndexError under compile).
+    return run(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index, None)
 
 
 def _splits(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> bool:

@@ -249,7 +249,8 @@ def test_overlap_keeps_one_pass_where_nothing_can_be_missed(device):
         assert (result.topk_ids >= 0).all()
 
 
-def test_decode_stack_overlaps_only_with_an_apply_that_sums_passes_exactly():
+@pytest.mark.parametrize("device", devices())
+def test_decode_stack_overlaps_only_with_an_apply_that_sums_passes_exactly(device):
     from expertcache.decode_stack import DecodeStack
     from expertcache.provider import ExpertWeightProvider
 
@@ -263,24 +264,25 @@ def test_decode_stack_overlaps_only_with_an_apply_that_sums_passes_exactly():
         def passes(self, topk_ids):
             yield self.prepare(topk_ids)
 
-    weights = random_weights(6, HIDDEN, INTER)
-    assert DecodeStack([], HIDDEN, 6, dtype=torch.float32, device="cpu").overlap
+    weights = {name: tensor.to(device) for name, tensor in random_weights(6, HIDDEN, INTER).items()}
+    assert DecodeStack([], HIDDEN, 6, dtype=torch.float32, device=device).overlap
 
     def per_pass_sum(hidden, results, topk_weights):  # sums each pass's output: not exact
         return sum(moe_apply(hidden, r.w1, r.w2, topk_weights, r.topk_ids) for r in results)
 
-    summed = DecodeStack([OldSignature(weights)], HIDDEN, 6, dtype=torch.float32, device="cpu", apply=per_pass_sum)
+    summed = DecodeStack([OldSignature(weights)], HIDDEN, 6, dtype=torch.float32, device=device, apply=per_pass_sum)
     assert not summed.overlap
-    out = summed.step(torch.randn(1, HIDDEN), torch.tensor([[[0, 1]]]))
+    out = summed.step(torch.randn(1, HIDDEN, device=device), torch.tensor([[[0, 1]]], device=device))
     assert out.shape == (1, HIDDEN)
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("mode", ["host", "device"])
-def test_overlap_must_be_a_bool_and_a_bad_one_changes_nothing(mode):
+def test_overlap_must_be_a_bool_and_a_bad_one_changes_nothing(device, mode):
     weights = random_weights(6, HIDDEN, INTER)
-    provider = CachedWeightProvider(weights, cache_size=3, mode=mode, device="cpu")
-    full = FullGPUProvider(weights)
-    ids = torch.tensor([[0, 1]])
+    provider = CachedWeightProvider(weights, cache_size=3, mode=mode, device=device)
+    full = FullGPUProvider({name: tensor.to(device) for name, tensor in weights.items()})
+    ids = torch.tensor([[0, 1]], device=device)
     for bad in ("yes", 1, None):
         for served in (provider, full):
             with pytest.raises(TypeError, match="overlap"):
@@ -288,6 +290,6 @@ def test_overlap_must_be_a_bool_and_a_bad_one_changes_nothing(mode):
         with pytest.raises(TypeError, match="overlap"):
             from expertcache.decode_stack import DecodeStack
 
-            DecodeStack([provider], HIDDEN, 6, dtype=torch.float32, device="cpu", overlap=bad or "no")
+            DecodeStack([provider], HIDDEN, 6, dtype=torch.float32, device=device, overlap=bad or "no")
     assert provider.stats.calls == 0 and provider.resident() == frozenset()
     assert len(list(provider.passes(ids, overlap=True))) in (1, 2)  # still serves
