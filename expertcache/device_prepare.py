@@ -121,9 +121,7 @@ def _run(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Ten
     # Eagerly the implementation runs directly (the dispatcher costs ~10 us a call);
     # torch.compile sees the custom op.
     run = torch.ops.expertcache.prepare_on_device if torch.compiler.is_compiling() else _admit_and_copy
-    # ``misses`` is passed although None: torch 2.11's custom-op mutation checks index every
-    # declared mutable argument positionally (an omitted one raised IndexError under compile).
-    return run(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index, None)
+    return run(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index)
 
 
 def _splits(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> bool:
@@ -209,13 +207,26 @@ def _on_stream(stream: torch.cuda.Stream | None):
     return torch.cuda.stream(stream)
 
 
-_op = torch.library.custom_op(
-    "expertcache::prepare_on_device", _admit_and_copy, mutates_args=("state", "slots", "pass_of", "misses")
-)
+def _call_or_pass(
+    topk_ids: torch.Tensor,
+    state: torch.Tensor,
+    slots: list[torch.Tensor],
+    pool: int,
+    layer: int,
+    pass_of: torch.Tensor,
+    pass_index: int,
+) -> torch.Tensor:
+    """`_admit_and_copy` without ``misses``: what ``torch.compile`` sees (it never overlaps).
+    An optional mutated ``misses`` in the op's schema broke fake-tensor tracing on torch 2.11
+    (IndexError inside Dynamo), so the op keeps the schema it had before overlap existed."""
+    return _admit_and_copy(topk_ids, state, slots, pool, layer, pass_of, pass_index)
+
+
+_op = torch.library.custom_op("expertcache::prepare_on_device", _call_or_pass, mutates_args=("state", "slots", "pass_of"))
 
 
 @_op.register_fake
-def _(topk_ids, state, slots, pool, layer, pass_of, pass_index, misses=None) -> torch.Tensor:
+def _(topk_ids, state, slots, pool, layer, pass_of, pass_index) -> torch.Tensor:
     return torch.empty_like(topk_ids)
 
 
