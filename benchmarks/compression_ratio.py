@@ -1,8 +1,9 @@
 """Compressed / raw bytes of `expertcache.compression` records, on a CPU (no timing).
 
 Normal weights at scales 0.002 .. 0.1 and the experts of every random family
-(`expertcache.integrations.transformers.random_models`), for each code width and block size:
-the numbers the default code (3 bits, 8192 values a block) was picked by. Prints a table;
+(`expertcache.integrations.transformers.random_models`), for each code (first-level bits,
+second-level bits, 0 for none) and block size: the numbers the default code (2 + 3 bits,
+8192 values a block) was picked by. Prints a table;
 ``--csv FILE`` appends rows.
 
     python benchmarks/compression_ratio.py [--csv FILE]
@@ -19,11 +20,12 @@ import torch
 from expertcache.compression import ExponentCode, analyse
 
 SCALES = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
-CODES = ((2, 8192), (3, 4096), (3, 8192), (3, 16384), (4, 8192))
+#: (code_bits, second_bits, block)
+CODES = ((2, 0, 8192), (3, 0, 8192), (4, 0, 8192), (3, 3, 8192), (2, 2, 8192), (2, 3, 4096), (2, 3, 8192), (2, 3, 16384))
 
 
-def ratio(tensor: torch.Tensor, code_bits: int, block: int) -> float:
-    fmt = analyse(tensor, ExponentCode(tensor.dtype, code_bits, block)).format
+def ratio(tensor: torch.Tensor, code_bits: int, second_bits: int, block: int) -> float:
+    fmt = analyse(tensor, ExponentCode(tensor.dtype, code_bits, block, second_bits)).format
     return fmt.record_bytes / fmt.raw_bytes
 
 
@@ -56,11 +58,11 @@ def main() -> None:
         sources = [*normal_rows(dtype), *family_rows(dtype, 0.3), *family_rows(dtype, 0.02)]
         for label, tensor in sources:
             start = time.perf_counter()
-            ratios = [ratio(tensor, bits, block) for bits, block in CODES]
+            ratios = [ratio(tensor, bits, second, block) for bits, second, block in CODES]
             rows.append([str(dtype).removeprefix("torch."), label, tuple(tensor.shape), *ratios])
             seconds = time.perf_counter() - start
             print(f"{rows[-1][0]:>9} {label:<40} " + " ".join(f"{r:.4f}" for r in ratios) + f"  ({seconds:.1f}s)")
-    header = ["dtype", "tensor", "shape", *(f"bits{b}_block{n}" for b, n in CODES)]
+    header = ["dtype", "tensor", "shape", *(f"bits{b}+{s}_block{n}" for b, s, n in CODES)]
     print("columns:", " ".join(header[3:]))
     if args.csv:
         with open(args.csv, "a", newline="") as handle:

@@ -53,7 +53,7 @@ class CachedWeightProvider(ExpertWeightProvider):
         mode: ``"host"`` (default: any policy, one host sync per call) or ``"device"``
             (GPU admission, LRU only, no sync: CUDA-graph capturable).
         compression: ``None`` (default: raw bytes) or ``"exponent"``: bf16/fp16 experts
-            stored losslessly coded (`expertcache.compression`, ~0.70 of the bytes for
+            stored losslessly coded (`expertcache.compression`, ~0.68 of the bytes for
             bf16), decoded by the copy kernel on the way into the slots, which receive the
             exact weights. PCIe carries the coded bytes (``stats.compressed_bytes_h2d``).
     """

@@ -122,7 +122,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         "--moe-expert-cache-compression",
         choices=COMPRESSION_CHOICES,
         default="none",
-        help="exponent: keep bf16/fp16 experts losslessly exponent-coded in host memory (~0.70 of the "
+        help="exponent: keep bf16/fp16 experts losslessly exponent-coded in host memory (~0.68 of the "
         "bytes; the GPU decodes them on the way into the slots, so each miss moves fewer bytes); "
         "other expert dtypes are refused when the cache is built (default: none)",
     )

@@ -3,11 +3,12 @@
 A 16-bit float is ``sign | exponent | mantissa``. Trained (and normal-initialised) weights
 use few exponents (about 2.55 bits of entropy out of bf16's 8), so each value is stored as
 its *literal* (sign and mantissa, kept verbatim) and a short *code* naming its exponent in
-a per-block codebook. The code width is fixed, so decoding is arithmetic on known offsets,
-not a variable-length parse, and the copy kernel decodes a block without reading any other
-(`expertcache.kernels.decode_copy`). With ``code_bits = 3`` (the default, chosen by
-measurement: ``benchmarks/compression_ratio.py``) a bf16 value takes 8 + 3 bits plus its share of the
-exceptions, about 0.70 of its raw bytes.
+a per-block codebook, in two levels of fixed width: ``code_bits`` name the most frequent
+exponents, ``second_bits`` the next ones for the values the first level escapes (found by a
+prefix sum, not a variable-length parse), a byte the rest. The copy kernel decodes a block
+without reading any other (`expertcache.kernels.decode_copy`). With the default 2 + 3 bits
+(chosen by measurement: ``benchmarks/compression_ratio.py``) a normal-weight bf16 value
+takes about 0.68 of its raw bytes; one level of 3 bits (``second_bits=0``) takes 0.70.
 
 This module holds the encoder (`analyse`, then `write_records`; `encode` does both). The
 code's parameters and the record layout are in `expertcache.exponent_code`, the pure-torch
@@ -27,6 +28,7 @@ import torch
 from expertcache.exponent_code import (
     DEFAULT_BLOCK,
     DEFAULT_CODE_BITS,
+    DEFAULT_SECOND_BITS,
     FLOAT16_FIELDS,
     HEADER_BYTES,
     ExponentCode,
@@ -39,6 +41,7 @@ __all__ = [
     "COMPRESSIONS",
     "DEFAULT_BLOCK",
     "DEFAULT_CODE_BITS",
+    "DEFAULT_SECOND_BITS",
     "FLOAT16_FIELDS",
     "HEADER_BYTES",
     "Analysis",
@@ -61,7 +64,7 @@ class Analysis:
 
     Attributes:
         format: the records' layout.
-        codebooks: ``[E, num_blocks, 2**code_bits - 1]`` int64 exponents, most frequent first.
+        codebooks: ``[E, num_blocks, code.book_size]`` int64 exponents, most frequent first.
     """
 
     format: RecordFormat
@@ -87,11 +90,11 @@ def _valid(values: int, code: ExponentCode, num_blocks: int, device: torch.devic
     return (torch.arange(num_blocks * code.block, device=device) < values).view(num_blocks, code.block)
 
 
-def _codes(exponent: torch.Tensor, codebooks: torch.Tensor, code: ExponentCode) -> torch.Tensor:
-    """Code of every value given its block's codebook (the escape when it is not in it)."""
+def _book_index(exponent: torch.Tensor, codebooks: torch.Tensor, code: ExponentCode) -> torch.Tensor:
+    """Each value's entry in its block's codebook (``code.book_size`` when it is not in it)."""
     rows = exponent.shape[0] * exponent.shape[1]
-    table = torch.full((rows, 1 << code.exponent_bits), code.escape, dtype=torch.int64, device=exponent.device)
-    entries = torch.arange(code.escape, device=exponent.device).expand(rows, -1)
+    table = torch.full((rows, 1 << code.exponent_bits), code.book_size, dtype=torch.int64, device=exponent.device)
+    entries = torch.arange(code.book_size, device=exponent.device).expand(rows, -1)
     table.scatter_(1, codebooks.reshape(rows, -1), entries)
     return table.gather(1, exponent.reshape(rows, -1).long()).view(exponent.shape)
 
@@ -114,7 +117,8 @@ def _on(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
 def analyse(
     tensor: torch.Tensor, code: ExponentCode, *, progress: str | None = None, device: torch.device | str | None = None
 ) -> Analysis:
-    """Pass 1: each block's codebook and the exception capacity of ``tensor`` ``[E, *shape]``.
+    """Pass 1: each block's codebook, and the second codes and exception bytes every block of
+    ``tensor`` ``[E, *shape]`` reserves.
 
     Args:
         tensor: the experts of one name, of ``code.dtype``, on any device.
@@ -131,10 +135,10 @@ def analyse(
     target = tensor.device if device is None else torch.device(device)
     num_experts, values = int(tensor.shape[0]), tensor[0].numel() if tensor.shape[0] else 0
     if values == 0:
-        return Analysis(RecordFormat(code, 0, 0), torch.zeros(num_experts, 0, code.escape, dtype=torch.int64))
+        return Analysis(RecordFormat(code, 0, 0), torch.zeros(num_experts, 0, code.book_size, dtype=torch.int64))
     blocks = -(-values // code.block)
     valid = _valid(values, code, blocks, target).to(torch.int64)
-    books, most = [], 0
+    books, spill, most = [], 0, 0
     fill = torch.arange(1 << code.exponent_bits, device=target)
     for start, stop in _steps(num_experts, values, progress):
         exponent, _ = _split(_bits(_on(tensor[start:stop], target), code), code)
@@ -142,12 +146,14 @@ def analyse(
         counts.scatter_add_(2, exponent.long(), valid.expand_as(exponent).contiguous())
         # ties broken towards the smaller exponent: the same codebook on every machine
         key = counts * (1 << code.exponent_bits) + (fill.numel() - 1 - fill)
-        book = key.topk(code.escape, dim=2).indices
+        book = key.topk(code.book_size, dim=2).indices
         books.append(book)
-        escaped = (_codes(exponent, book, code) == code.escape) & valid.bool()
-        most = max(most, int(escaped.sum(2).max()) if escaped.numel() else 0)
+        index = _book_index(exponent, book, code)
+        if code.second_bits:
+            spill = max(spill, int(((index >= code.escape) & valid.bool()).sum(2).max()))
+        most = max(most, int(((index >= code.book_size) & valid.bool()).sum(2).max()))
     codebooks = torch.cat(books)
-    return Analysis(RecordFormat(code, values, _pad16(most)), codebooks)
+    return Analysis(RecordFormat(code, values, _pad16(most), -(-spill // 8) * 8), codebooks)
 
 
 def _pack(fields: torch.Tensor, field_bits: int) -> torch.Tensor:
@@ -161,25 +167,36 @@ def _pack(fields: torch.Tensor, field_bits: int) -> torch.Tensor:
     return ((combined >> (8 * lanes[:nbytes])) & 0xFF).to(torch.uint8).view(rows, -1)
 
 
+def _in_value_order(values: torch.Tensor, chosen: torch.Tensor, size: int) -> torch.Tensor:
+    """``[E, B, size]`` int64: the ``values`` of each block's ``chosen`` values, at their rank
+    among them (``size`` is at least the most any block chooses)."""
+    out = torch.zeros(*values.shape[:2], size, dtype=torch.int64, device=values.device)
+    rank = chosen.cumsum(2) - chosen.long()
+    where = chosen.nonzero(as_tuple=True)
+    out[where[0], where[1], rank[where]] = values[where].long()
+    return out
+
+
 def _blocks(tensor: torch.Tensor, codebooks: torch.Tensor, fmt: RecordFormat) -> list[torch.Tensor]:
-    """The four parts of every block, each ``[E, num_blocks, part bytes]`` uint8, whole-block sized."""
+    """The five parts of every block, each ``[E, num_blocks, part bytes]`` uint8, whole-block sized."""
     code = fmt.code
     exponent, literal = _split(_bits(tensor, code), code)
     experts, blocks = exponent.shape[:2]
     valid = _valid(fmt.values, code, blocks, exponent.device)
-    codes = _codes(exponent, codebooks, code)
-    escaped = (codes == code.escape) & valid
-    fields = torch.where(valid, codes | ((literal >> 8) << code.code_bits), 0)
+    index = _book_index(exponent, codebooks, code)
+    fields = torch.where(valid, index.clamp(max=code.escape) | ((literal >> 8) << code.code_bits), 0)
     header = torch.zeros(experts, blocks, HEADER_BYTES, dtype=torch.uint8, device=exponent.device)
-    header[..., : code.escape] = codebooks.to(torch.uint8)
+    header[..., : code.book_size] = codebooks.to(torch.uint8)
     stream = _pack(fields.view(experts * blocks, -1), code.field_bits).view(experts, blocks, -1)
     stream = torch.nn.functional.pad(stream, (0, fmt.code_bytes(code.block) - stream.shape[2]))
-    exceptions = torch.zeros(experts, blocks, fmt.capacity, dtype=torch.uint8, device=exponent.device)
-    rank = escaped.cumsum(2) - escaped.long()
-    where = escaped.nonzero(as_tuple=True)
-    exceptions[where[0], where[1], rank[where]] = exponent[where].to(torch.uint8)
+    second = torch.zeros(experts, blocks, fmt.spill_bytes, dtype=torch.uint8, device=exponent.device)
+    if fmt.spill:
+        codes = _in_value_order((index - code.escape).clamp(0, code.second_escape), (index >= code.escape) & valid, fmt.spill)
+        packed = _pack(codes.view(experts * blocks, -1), code.second_bits).view(experts, blocks, -1)
+        second[..., : packed.shape[2]] = packed
+    exceptions = _in_value_order(exponent, (index >= code.book_size) & valid, fmt.capacity).to(torch.uint8)
     literals = torch.where(valid, literal & 0xFF, 0).to(torch.uint8)
-    return [header, literals, stream, exceptions]
+    return [header, literals, stream, second, exceptions]
 
 
 def write_records(
@@ -205,7 +222,7 @@ def write_records(
         raise ValueError(f"out must be uint8 [{tensor.shape[0]}, {fmt.record_bytes}], got {tuple(out.shape)}")
     target = tensor.device if device is None else torch.device(device)
     last = fmt.last_values
-    keep = [HEADER_BYTES, _pad16(last), fmt.code_bytes(last), fmt.capacity]
+    keep = [HEADER_BYTES, _pad16(last), fmt.code_bytes(last), fmt.spill_bytes, fmt.capacity]
     for start, stop in _steps(int(tensor.shape[0]), fmt.values, progress):
         parts = _blocks(_on(tensor[start:stop], target), analysis.codebooks[start:stop].to(target), fmt)
         whole = torch.cat([part[:, :-1] for part in parts], dim=2).flatten(1)

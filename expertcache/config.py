@@ -15,7 +15,7 @@ One dataclass carries what the ``--moe-*`` flags say (see `expertcache.cli.add_c
                       "device": admission on the GPU (LRU), no host sync, CUDA-graph capturable
     compression       None (default: experts stored as they are) or "exponent": bf16/fp16
                       experts stored losslessly exponent-coded (`expertcache.compression`,
-                      ~0.70 of the bytes for bf16; PCIe carries the coded bytes, the slots
+                      ~0.68 of the bytes for bf16; PCIe carries the coded bytes, the slots
                       receive the exact weights); "none" is stored as None
 
 Checks that need the model (cache_size against the number of experts; that the experts are

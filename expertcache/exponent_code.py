@@ -9,19 +9,32 @@ layout of one name's records).
 One expert's tensor of ``n`` values is cut into blocks of ``block`` values (the last one
 shorter). One block, every part starting on a 16-byte boundary::
 
-    [ codebook: 16 B | literals: c B | codes: c x field_bits bits | exceptions: capacity B ]
+    [ codebook: 16 B | literals: c B | codes: c x field_bits bits
+      | second codes: spill x second_bits bits | exceptions: capacity B ]
 
-* codebook: byte ``k`` is the exponent of code ``k``, for the ``2**code_bits - 1`` most
-  frequent exponents of the block; code ``2**code_bits - 1`` is the *escape*.
+* codebook: byte ``k`` is the block's ``k``-th most frequent exponent, for the
+  ``book_size`` entries of the two levels: the first ``escape = 2**code_bits - 1`` are
+  named by a code, the next ``second_escape = 2**second_bits - 1`` by a second code.
 * literals: byte ``i`` is the low 8 bits of value ``i``'s literal ``sign << m | mantissa``
   (``m`` mantissa bits: bf16's literal is exactly this byte).
 * codes: a little-endian bit stream, ``field_bits`` per value: the code in the low
-  ``code_bits``, then the literal's bits above 8 (none for bf16, 3 for fp16).
-* exceptions: one byte per escaped value, the exponent, in value order: the ``r``-th
-  escaped value of the block (``r`` = escapes before it, a prefix sum) has exception ``r``.
-  ``capacity`` is the most any block of this name holds, rounded up to 16, so every block
-  has the same size and block ``j`` of expert ``e`` starts at ``e * record_bytes + j *
-  block_bytes`` of the name's region: no table to read before the block.
+  ``code_bits``, then the literal's bits above 8 (none for bf16, 3 for fp16). Code ``k <
+  escape`` names codebook entry ``k``; ``escape`` sends the value to the second level.
+* second codes (absent when ``second_bits`` is 0): a little-endian stream of
+  ``second_bits`` per escaped value, in value order: the ``r``-th escaped value (``r`` =
+  escapes before it, a prefix sum) has second code ``r``. Code ``j < second_escape`` names
+  codebook entry ``escape + j``; ``second_escape`` escapes to the exceptions.
+* exceptions: one byte per value escaped from the last level, the exponent, in value
+  order, at its rank among those values (a second prefix sum).
+* ``spill`` (second codes) and ``capacity`` (exception bytes) are the most any block of this
+  name needs, rounded up (to 8 values, to 16 bytes), so every block has the same size and
+  block ``j`` of expert ``e`` starts at ``e * record_bytes + j * block_bytes`` of the name's
+  region: no table to read before the block.
+
+With one level (``second_bits = 0``) a normal-weight bf16 value takes 8 + 3 bits plus
+~2% exceptions (0.70 of its bytes); with the default two levels (2 + 3 bits) 8 + 2 bits,
+3 more for the ~27% the first level escapes, and ~0.4% exceptions: 0.68, near the
+exponent's entropy (2.55 bits: 0.66). ``benchmarks/compression_ratio.py`` measures both.
 
 A name whose records would not be smaller than its raw bytes is stored raw (`pays`).
 """
@@ -37,7 +50,8 @@ FLOAT16_FIELDS = {torch.bfloat16: (8, 7), torch.float16: (5, 10)}
 
 HEADER_BYTES = 16
 DEFAULT_BLOCK = 8192  # values per block: ~11 KB of bf16 codes, one read of the copy kernel
-DEFAULT_CODE_BITS = 3
+DEFAULT_CODE_BITS = 2
+DEFAULT_SECOND_BITS = 3
 
 
 def _pad16(n: int) -> int:
@@ -46,17 +60,21 @@ def _pad16(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ExponentCode:
-    """The code of one dtype: ``code_bits`` per exponent, ``block`` values per block.
+    """The code of one dtype: ``code_bits`` per exponent (then ``second_bits`` for the escaped
+    ones, when not 0), ``block`` values per block.
 
     Attributes:
         dtype: ``torch.bfloat16`` or ``torch.float16``.
         code_bits: 2 to 4; ``2**code_bits - 1`` codebook entries plus the escape.
         block: values per block, a power of two from 16 to 65536.
+        second_bits: 0 (one level) or 2 to 4; ``2**second_bits - 1`` further entries plus
+            the escape to the exceptions. Both levels' entries fit the 16-byte codebook.
     """
 
     dtype: torch.dtype
     code_bits: int = DEFAULT_CODE_BITS
     block: int = DEFAULT_BLOCK
+    second_bits: int = DEFAULT_SECOND_BITS
 
     def __post_init__(self) -> None:
         if self.dtype not in FLOAT16_FIELDS:
@@ -65,6 +83,13 @@ class ExponentCode:
             raise ValueError(f"code_bits must be 2, 3 or 4, got {self.code_bits!r}")
         if self.block < 16 or self.block > 65536 or self.block & (self.block - 1):
             raise ValueError(f"block must be a power of two from 16 to 65536, got {self.block!r}")
+        if self.second_bits not in (0, 2, 3, 4):
+            raise ValueError(f"second_bits must be 0, 2, 3 or 4, got {self.second_bits!r}")
+        if self.book_size > HEADER_BYTES:
+            raise ValueError(
+                f"code_bits {self.code_bits} and second_bits {self.second_bits} name {self.book_size} exponents; "
+                f"the codebook holds {HEADER_BYTES}"
+            )
 
     @property
     def exponent_bits(self) -> int:
@@ -81,7 +106,18 @@ class ExponentCode:
 
     @property
     def escape(self) -> int:
+        """The first level's escape code, and the number of entries it names."""
         return (1 << self.code_bits) - 1
+
+    @property
+    def second_escape(self) -> int:
+        """The second level's escape code, and the number of entries it names (0: no level)."""
+        return (1 << self.second_bits) - 1 if self.second_bits else 0
+
+    @property
+    def book_size(self) -> int:
+        """Codebook entries of both levels."""
+        return self.escape + self.second_escape
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +128,13 @@ class RecordFormat:
         code: the code.
         values: values of one expert's tensor (``n``).
         capacity: exception bytes every block reserves (a multiple of 16).
+        spill: second codes every block reserves (a multiple of 8; 0 with one level).
     """
 
     code: ExponentCode
     values: int
     capacity: int
+    spill: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -105,7 +143,12 @@ class RecordFormat:
     def block_bytes(self, count: int | None = None) -> int:
         """Bytes of a block of ``count`` values (default: a whole block)."""
         count = self.code.block if count is None else count
-        return HEADER_BYTES + _pad16(count) + self.code_bytes(count) + self.capacity
+        return HEADER_BYTES + _pad16(count) + self.code_bytes(count) + self.spill_bytes + self.capacity
+
+    @property
+    def spill_bytes(self) -> int:
+        """Bytes of a block's second-code stream (padded to 16)."""
+        return _pad16(self.spill * self.code.second_bits // 8)
 
     def code_bytes(self, count: int) -> int:
         """Bytes of the code stream of a block of ``count`` values (padded to 16)."""

@@ -20,20 +20,33 @@ def _unpack(stream: torch.Tensor, count: int, field_bits: int) -> torch.Tensor:
     return (bits << torch.arange(field_bits)).sum(2)
 
 
+def _at_rank(part: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Entry ``r`` of ``part`` ``[R, size]`` for each value that is the ``r``-th ``chosen``
+    one of its block (zero elsewhere)."""
+    rank = chosen.cumsum(1) - chosen.long()
+    # one zero past the end: a block that chose nothing gathers from something
+    padded = torch.nn.functional.pad(part.long(), (0, 1))
+    return torch.where(chosen, padded.gather(1, rank.clamp(max=part.shape[1])), 0)
+
+
 def _decode_blocks(blocks: torch.Tensor, count: int, fmt: RecordFormat) -> torch.Tensor:
     """``[R, block bytes]`` blocks of ``count`` values each -> ``[R, count]`` int64 bit patterns."""
     code = fmt.code
     literal_at, code_at = HEADER_BYTES, HEADER_BYTES + _pad16(count)
-    exception_at = code_at + fmt.code_bytes(count)
-    fields = _unpack(blocks[:, code_at:exception_at], count, code.field_bits)
-    codes = fields & code.escape
+    second_at = code_at + fmt.code_bytes(count)
+    exception_at = second_at + fmt.spill_bytes
+    fields = _unpack(blocks[:, code_at:second_at], count, code.field_bits)
+    index = fields & code.escape  # the codebook entry, until a level escapes
     literal = blocks[:, literal_at : literal_at + count].long() | ((fields >> code.code_bits) << 8)
-    escaped = codes == code.escape
-    rank = (escaped.cumsum(1) - 1).clamp(min=0)
-    # one zero byte past the exceptions: a block without escapes gathers from something
-    exceptions = torch.nn.functional.pad(blocks[:, exception_at : exception_at + fmt.capacity].long(), (0, 1))
-    from_book = blocks[:, : code.escape].long().gather(1, codes.clamp(max=code.escape - 1))
-    exponent = torch.where(escaped, exceptions.gather(1, rank.clamp(max=fmt.capacity)), from_book)
+    escaped = index == code.escape
+    if code.second_bits:
+        seconds = _unpack(blocks[:, second_at:exception_at], fmt.spill, code.second_bits)
+        second = _at_rank(seconds, escaped)
+        index = torch.where(escaped, code.escape + second, index)
+        escaped = escaped & (second == code.second_escape)
+    exceptions = _at_rank(blocks[:, exception_at : exception_at + fmt.capacity], escaped)
+    from_book = blocks[:, : code.book_size].long().gather(1, index.clamp(max=code.book_size - 1))
+    exponent = torch.where(escaped, exceptions, from_book)
     m = code.mantissa_bits
     return ((literal >> m) << 15) | (exponent << m) | (literal & ((1 << m) - 1))
 

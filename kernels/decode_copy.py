@@ -12,10 +12,12 @@ Each work item is one block of one name of one planned expert, in two steps:
    range, at an offset known from scalars alone) are read from mapped pinned memory in
    16-byte words, exactly as the copy kernel reads, into this program's scratch in device
    memory. One PCIe round trip per block, no dependent host read.
-2. *decode*: after a barrier, each value's literal, code field and exponent (from the
-   codebook, or for an escape from the exceptions at its rank, a prefix sum over the block)
-   are gathered from the scratch (L1/L2), and the word is stored to the slot. A second
-   barrier keeps the next block's stage from overwriting a scratch still being read.
+2. *decode*: after a barrier, each value's literal, code field and exponent are gathered
+   from the scratch (L1/L2): the exponent from the codebook, or for a value its code
+   escapes, from its second code at its rank among the escaped (a prefix sum over the
+   block), or for one that escapes too, from the exceptions at its rank among those (a
+   second prefix sum). The word is stored to the slot. A second barrier keeps the next
+   block's stage from overwriting a scratch still being read.
 
 Decoding is integer work on cached bytes, so the kernel can keep pace with PCIe (the
 bound a decoding copy must beat: ~55 GB/s of coded bytes on the project's H200).
@@ -45,17 +47,18 @@ def _decode_copy_kernel(
     count_ptr, experts_ptr, slot_ids_ptr, stride,
     offset0, offset1, offset2, offset3, record0, record1, record2, record3,
     values0, values1, values2, values3, capacity0, capacity1, capacity2, capacity3,
-    first1, first2, first3,
+    spill0, spill1, spill2, spill3, first1, first2, first3,
     num_experts, num_slots, chunks_per_expert,
     BLOCK: tl.constexpr, STAGE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    CODE_BITS: tl.constexpr, FIELD_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr, HEADER: tl.constexpr,
-    PDL: tl.constexpr,
+    CODE_BITS: tl.constexpr, FIELD_BITS: tl.constexpr, SECOND_BITS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+    HEADER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # chained to the admission, as the copy kernel is
         gdc_launch_dependents()
         gdc_wait()
     ESCAPE: tl.constexpr = (1 << CODE_BITS) - 1
-    # bytes of a whole block before its exceptions: codebook, literals, codes (16-aligned)
+    SECOND_ESCAPE: tl.constexpr = (1 << SECOND_BITS) - 1
+    # bytes of a whole block before its second codes: codebook, literals, codes (16-aligned)
     WHOLE: tl.constexpr = HEADER + BLOCK + (BLOCK * FIELD_BITS // 8 + 15) // 16 * 16
     scratch = scratch_ptr + tl.program_id(0) * (STAGE * 4)  # this program's bytes
     scratch_words = scratch.to(tl.pointer_type(tl.int32))
@@ -66,23 +69,26 @@ def _decode_copy_kernel(
         expert = tl.load(experts_ptr + stride * rank).to(tl.int64)
         slot = tl.load(slot_ids_ptr + stride * rank).to(tl.int64)
         zero = (chunk * 0).to(tl.int64)  # int64 throughout: every branch must agree
-        offset, record, values, capacity, first, destination = (
-            zero + offset0, zero + record0, zero + values0, zero + capacity0, zero, slots0
+        offset, record, values, capacity, spill, first, destination = (
+            zero + offset0, zero + record0, zero + values0, zero + capacity0, zero + spill0, zero, slots0
         )  # fmt: skip
         if NUM_SEGMENTS > 1:
             if chunk >= first1:
-                offset, record, values, capacity, first, destination = (
-                    zero + offset1, zero + record1, zero + values1, zero + capacity1, zero + first1, slots1
+                offset, record, values, capacity, spill, first, destination = (
+                    zero + offset1, zero + record1, zero + values1, zero + capacity1, zero + spill1, zero + first1,
+                    slots1,
                 )  # fmt: skip
         if NUM_SEGMENTS > 2:
             if chunk >= first2:
-                offset, record, values, capacity, first, destination = (
-                    zero + offset2, zero + record2, zero + values2, zero + capacity2, zero + first2, slots2
+                offset, record, values, capacity, spill, first, destination = (
+                    zero + offset2, zero + record2, zero + values2, zero + capacity2, zero + spill2, zero + first2,
+                    slots2,
                 )  # fmt: skip
         if NUM_SEGMENTS > 3:
             if chunk >= first3:
-                offset, record, values, capacity, first, destination = (
-                    zero + offset3, zero + record3, zero + values3, zero + capacity3, zero + first3, slots3
+                offset, record, values, capacity, spill, first, destination = (
+                    zero + offset3, zero + record3, zero + values3, zero + capacity3, zero + spill3, zero + first3,
+                    slots3,
                 )  # fmt: skip
         if (expert >= 0) & (expert < num_experts) & (slot >= 0) & (slot < num_slots):
             block = chunk - first
@@ -90,10 +96,11 @@ def _decode_copy_kernel(
             size = tl.minimum(values - start, BLOCK)  # values in this block (the last is shorter)
             literal_bytes = (size + 15) // 16 * 16
             code_bytes = ((size * FIELD_BITS + 7) // 8 + 15) // 16 * 16
-            exceptions_at = HEADER + literal_bytes + code_bytes
+            second_at = HEADER + literal_bytes + code_bytes
+            exceptions_at = second_at + spill  # ``spill``: the second codes' bytes
             # 1. stage the block: offsets and sizes are multiples of 16 bytes, so words go 4 at
             # a time (the mask is constant over each 4 words: 16-byte loads)
-            base = (offset + expert * record + block * (WHOLE + capacity)) // 4
+            base = (offset + expert * record + block * (WHOLE + spill + capacity)) // 4
             lanes = tl.arange(0, STAGE)
             source = tl.max_contiguous(tl.multiple_of(base + lanes, 4), STAGE)
             staged = (lanes // 4) < (exceptions_at + capacity) // 16
@@ -109,10 +116,20 @@ def _decode_copy_kernel(
             straddles = valid & ((bit & 7) + FIELD_BITS > 8)
             second_byte = tl.load(scratch + at + 1, mask=straddles, other=0).to(tl.int32)
             field = ((first_byte | (second_byte << 8)) >> (bit & 7)) & ((1 << FIELD_BITS) - 1)
-            code = field & ESCAPE
-            escaped = ((code == ESCAPE) & valid).to(tl.int32)
-            position = tl.cumsum(escaped, 0) - escaped  # escapes before this value: its exception
-            exponent_at = tl.where(escaped != 0, exceptions_at + position, code)
+            entry = field & ESCAPE  # the codebook entry, until a level escapes
+            escaped = ((entry == ESCAPE) & valid).to(tl.int32)
+            if SECOND_BITS > 0:
+                before = tl.cumsum(escaped, 0) - escaped  # escapes before this value: its second code
+                second_bit = before * SECOND_BITS
+                second_byte_at = second_at + (second_bit >> 3)
+                low_byte = tl.load(scratch + second_byte_at, mask=escaped != 0, other=0).to(tl.int32)
+                spans = (escaped != 0) & ((second_bit & 7) + SECOND_BITS > 8)
+                high_byte = tl.load(scratch + second_byte_at + 1, mask=spans, other=0).to(tl.int32)
+                second = ((low_byte | (high_byte << 8)) >> (second_bit & 7)) & SECOND_ESCAPE
+                entry = tl.where(escaped != 0, ESCAPE + second, entry)
+                escaped = escaped * (second == SECOND_ESCAPE).to(tl.int32)
+            position = tl.cumsum(escaped, 0) - escaped  # last-level escapes before it: its exception
+            exponent_at = tl.where(escaped != 0, exceptions_at + position, entry)
             exponent = tl.load(scratch + exponent_at, mask=valid, other=0).to(tl.int32)
             literal = low | ((field >> CODE_BITS) << 8)
             word = ((literal >> MANTISSA_BITS) << 15) | (exponent << MANTISSA_BITS)
@@ -238,9 +255,10 @@ def decode_copy(
         source_arg, scratch, *destinations, plan.count, plan.experts, plan.slots, plan.stride,
         *segments.offsets, *(0,) * pad, *(f.record_bytes for f in formats), *(0,) * pad,
         *(f.values for f in formats), *(0,) * pad, *(f.capacity for f in formats), *(0,) * pad,
-        *segments.first_chunks[1:], *(0,) * pad,
+        *(f.spill_bytes for f in formats), *(0,) * pad, *segments.first_chunks[1:], *(0,) * pad,
         num_experts, slots[0].shape[0], segments.chunks_per_expert,
         BLOCK=code.block, STAGE=segments.stage_words, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=len(slots),
-        CODE_BITS=code.code_bits, FIELD_BITS=code.field_bits, MANTISSA_BITS=code.mantissa_bits, HEADER=HEADER_BYTES,
+        CODE_BITS=code.code_bits, FIELD_BITS=code.field_bits, SECOND_BITS=code.second_bits,
+        MANTISSA_BITS=code.mantissa_bits, HEADER=HEADER_BYTES,
         num_warps=warps_for(code.block), **chained(slots[0].device),
     )  # fmt: skip

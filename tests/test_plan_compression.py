@@ -47,7 +47,7 @@ def _gb(rows: list[dict]) -> dict:
 @pytest.mark.parametrize(
     "flags, per_miss, says",
     [
-        ([], 710, f"default ratio {DEFAULT_EXPONENT_RATIO}"),
+        ([], 690, f"default ratio {DEFAULT_EXPONENT_RATIO}"),
         (["--compression-ratio", "0.5"], 500, "--compression-ratio 0.5"),
     ],
 )
