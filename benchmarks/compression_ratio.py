@@ -21,7 +21,16 @@ from expertcache.compression import ExponentCode, analyse
 
 SCALES = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 #: (code_bits, second_bits, block)
-CODES = ((2, 0, 8192), (3, 0, 8192), (4, 0, 8192), (3, 3, 8192), (2, 2, 8192), (2, 3, 4096), (2, 3, 8192), (2, 3, 16384))
+CODES = (
+    (2, 0, 8192),
+    (3, 0, 8192),
+    (4, 0, 8192),
+    (3, 3, 8192),
+    (2, 2, 8192),
+    (2, 3, 4096),
+    (2, 3, 8192),
+    (2, 3, 16384),
+)
 
 
 def ratio(tensor: torch.Tensor, code_bits: int, second_bits: int, block: int) -> float:

@@ -191,7 +191,9 @@ def _blocks(tensor: torch.Tensor, codebooks: torch.Tensor, fmt: RecordFormat) ->
     stream = torch.nn.functional.pad(stream, (0, fmt.code_bytes(code.block) - stream.shape[2]))
     second = torch.zeros(experts, blocks, fmt.spill_bytes, dtype=torch.uint8, device=exponent.device)
     if fmt.spill:
-        codes = _in_value_order((index - code.escape).clamp(0, code.second_escape), (index >= code.escape) & valid, fmt.spill)
+        codes = _in_value_order(
+            (index - code.escape).clamp(0, code.second_escape), (index >= code.escape) & valid, fmt.spill
+        )
         packed = _pack(codes.view(experts * blocks, -1), code.second_bits).view(experts, blocks, -1)
         second[..., : packed.shape[2]] = packed
     exceptions = _in_value_order(exponent, (index >= code.book_size) & valid, fmt.capacity).to(torch.uint8)

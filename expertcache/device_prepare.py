@@ -222,7 +222,9 @@ def _call_or_pass(
     return _admit_and_copy(topk_ids, state, slots, pool, layer, pass_of, pass_index)
 
 
-_op = torch.library.custom_op("expertcache::prepare_on_device", _call_or_pass, mutates_args=("state", "slots", "pass_of"))
+_op = torch.library.custom_op(
+    "expertcache::prepare_on_device", _call_or_pass, mutates_args=("state", "slots", "pass_of")
+)
 
 
 @_op.register_fake
