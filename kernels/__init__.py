@@ -8,6 +8,7 @@ validates its inputs and picks the grid, and a pure-torch reference named ``*_to
     commit.py        commit_plan / commit_plan_torch   host mode: apply the host's plan, slot ids
     copy_experts.py  copy_experts / copy_experts_torch plan-driven copies from mapped pinned memory
     decode_copy.py   decode_copy / decode_copy_torch   the same, decoding exponent-coded records into bf16/fp16 slots
+    decode_segments.py build_decode_segments           where a decoding launch's coded names lie, its scratch
     expert_apply.py  moe_apply / moe_apply_torch       slot-indexed SiLU-gated expert MLP (GEMV, decode)
     grouped_apply.py moe_apply_grouped, moe_apply_auto the same MLP as grouped GEMMs (many tokens)
     grouped_routing.py sort_pairs_by_expert / _torch   (token, choice) pairs grouped by id into padded blocks

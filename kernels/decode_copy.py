@@ -27,19 +27,21 @@ bound a decoding copy must beat: ~55 GB/s of coded bytes on the project's H200).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from expertcache.compression import HEADER_BYTES, RecordFormat, decode_records_torch
+from expertcache.compression import HEADER_BYTES, decode_records_torch
 from expertcache.kernels._launch import chained, runs_on
 from expertcache.kernels.copy_experts import CopyPlan, MappedHostPointer, warps_for
+from expertcache.kernels.decode_segments import (  # noqa: F401 (re-exported: the launcher's arguments)
+    MAX_TENSORS,
+    DecodeSegments,
+    build_decode_segments,
+    scratch_bytes,
+)
 
-#: Coded slot tensors one launch writes (kernel arguments ``slots0 .. slots3``).
-MAX_TENSORS = 4
 DEFAULT_PROGRAMS = 64
 
 
@@ -193,43 +195,6 @@ def _decode_copy_kernel(
         start = this_block * BLOCK
         tl.store(this_destination + this_slot * this_values + start + index, word.to(tl.int16), mask=valid)
         tl.debug_barrier()  # every thread is done with the scratch before the next store
-
-
-class DecodeSegments(NamedTuple):
-    """Where each of up to ``MAX_TENSORS`` coded names lives in the source, in bytes.
-
-    Attributes:
-        offsets: first byte of each name's region (a multiple of 16).
-        formats: each name's `RecordFormat` (one code for all).
-        first_chunks: first chunk (block) of each name among an expert's chunks.
-        chunks_per_expert: blocks of one expert over all names.
-        stage_words: 32-bit words of scratch one program needs (a power of two).
-    """
-
-    offsets: tuple[int, ...]
-    formats: tuple[RecordFormat, ...]
-    first_chunks: tuple[int, ...]
-    chunks_per_expert: int
-    stage_words: int
-
-
-def build_decode_segments(source_offsets: tuple[int, ...], formats: tuple[RecordFormat, ...]) -> DecodeSegments:
-    """The `DecodeSegments` of coded names whose regions start at ``source_offsets`` (bytes)."""
-    if not 1 <= len(formats) <= MAX_TENSORS:
-        raise ValueError(f"a launch decodes 1 to {MAX_TENSORS} tensors, got {len(formats)}")
-    if len({fmt.code for fmt in formats}) != 1:
-        raise ValueError("one launch decodes one code (dtype, code bits, block); group the names by code")
-    if any(offset % 16 for offset in source_offsets) or any(fmt.values < 1 for fmt in formats):
-        raise ValueError("regions must start on 16-byte boundaries and hold at least one value")
-    chunks = [fmt.num_blocks for fmt in formats]
-    first_chunks = tuple(sum(chunks[:index]) for index in range(len(chunks)))
-    stage = triton.next_power_of_2(max(fmt.block_bytes() for fmt in formats) // 4)
-    return DecodeSegments(tuple(source_offsets), tuple(formats), first_chunks, sum(chunks), stage)
-
-
-def scratch_bytes(segments: DecodeSegments, num_programs: int) -> int:
-    """Bytes of the scratch a launch of ``num_programs`` programs needs."""
-    return num_programs * segments.stage_words * 4
 
 
 def default_programs(device: torch.device) -> int:
