@@ -194,7 +194,7 @@ def test_decode_kernel_on_every_random_familys_experts(device):
         tensors = [block.module.get_parameter(name).detach() for name in block.parameter_names]
         tensors = [t for t in tensors if t.dtype == torch.bfloat16]
         for start in range(0, len(tensors), 4):  # a launch decodes up to four names
-            _check_kernel(tensors[start : start + 4], ExponentCode(torch.bfloat16, 3, 256), device)
+            _check_kernel(tensors[start : start + 4], ExponentCode(torch.bfloat16, block=256), device)
 
 
 # -- the store option ---------------------------------------------------------------------
