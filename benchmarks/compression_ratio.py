@@ -34,7 +34,7 @@ CODES = (
 
 
 def ratio(tensor: torch.Tensor, code_bits: int, second_bits: int, block: int) -> float:
-    fmt = analyse(tensor, ExponentCode(tensor.dtype, code_bits, block, second_bits)).format
+    fmt = analyse(tensor, ExponentCode(tensor.dtype, code_bits, block, second_bits=second_bits)).format
     return fmt.record_bytes / fmt.raw_bytes
 
 

@@ -8,7 +8,8 @@ exponents, ``second_bits`` the next ones for the values the first level escapes 
 prefix sum, not a variable-length parse), a byte the rest. The copy kernel decodes a block
 without reading any other (`expertcache.kernels.decode_copy`). With the default 2 + 3 bits
 (chosen by measurement: ``benchmarks/compression_ratio.py``) a normal-weight bf16 value
-takes about 0.68 of its raw bytes; one level of 3 bits (``second_bits=0``) takes 0.70.
+takes about 0.68 of its raw bytes; one level of 3 bits (``ExponentCode(dtype, 3,
+second_bits=0)``, the code of earlier versions) takes 0.70.
 
 This module holds the encoder (`analyse`, then `write_records`; `encode` does both). The
 code's parameters and the record layout are in `expertcache.exponent_code`, the pure-torch

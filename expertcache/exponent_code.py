@@ -41,7 +41,7 @@ A name whose records would not be smaller than its raw bytes is stored raw (`pay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,14 +67,16 @@ class ExponentCode:
         dtype: ``torch.bfloat16`` or ``torch.float16``.
         code_bits: 2 to 4; ``2**code_bits - 1`` codebook entries plus the escape.
         block: values per block, a power of two from 16 to 65536.
-        second_bits: 0 (one level) or 2 to 4; ``2**second_bits - 1`` further entries plus
-            the escape to the exceptions. Both levels' entries fit the 16-byte codebook.
+        second_bits: keyword-only; 0 (one level) or 2 or 3: ``2**second_bits - 1`` further
+            entries plus the escape to the exceptions. Both levels' entries must fit the
+            16-byte codebook, so ``code_bits=4`` needs ``second_bits=0``. The one-level code
+            of earlier versions is ``ExponentCode(dtype, 3, second_bits=0)``.
     """
 
     dtype: torch.dtype
     code_bits: int = DEFAULT_CODE_BITS
     block: int = DEFAULT_BLOCK
-    second_bits: int = DEFAULT_SECOND_BITS
+    second_bits: int = field(default=DEFAULT_SECOND_BITS, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.dtype not in FLOAT16_FIELDS:
@@ -83,12 +85,12 @@ class ExponentCode:
             raise ValueError(f"code_bits must be 2, 3 or 4, got {self.code_bits!r}")
         if self.block < 16 or self.block > 65536 or self.block & (self.block - 1):
             raise ValueError(f"block must be a power of two from 16 to 65536, got {self.block!r}")
-        if self.second_bits not in (0, 2, 3, 4):
-            raise ValueError(f"second_bits must be 0, 2, 3 or 4, got {self.second_bits!r}")
+        if self.second_bits not in (0, 2, 3):
+            raise ValueError(f"second_bits must be 0, 2 or 3, got {self.second_bits!r}")
         if self.book_size > HEADER_BYTES:
             raise ValueError(
                 f"code_bits {self.code_bits} and second_bits {self.second_bits} name {self.book_size} exponents; "
-                f"the codebook holds {HEADER_BYTES}"
+                f"the codebook holds {HEADER_BYTES} (code_bits 4 takes second_bits=0)"
             )
 
     @property

@@ -62,7 +62,7 @@ def test_reference_decoder_round_trips(dtype, shape, block, code_bits, second_bi
     gen = torch.Generator().manual_seed(code_bits)
     tensor = (torch.randn(3, *shape, generator=gen) * 0.02).to(dtype)
     tensor = with_specials(tensor, code_bits) if tensor.numel() > 40 else tensor
-    fmt, records = encode(tensor, ExponentCode(dtype, code_bits, block, second_bits))
+    fmt, records = encode(tensor, ExponentCode(dtype, code_bits, block, second_bits=second_bits))
     assert records.shape == (3, fmt.record_bytes) and fmt.record_bytes % 16 == 0
     assert torch.equal(bits(decode_records_torch(records, fmt)), bits(tensor.reshape(3, -1)))
 
@@ -70,11 +70,12 @@ def test_reference_decoder_round_trips(dtype, shape, block, code_bits, second_bi
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("second_bits", [0, 3])
 def test_every_bit_pattern_round_trips(dtype, second_bits):
-    """All 65536 patterns (every value an exception somewhere), shuffled, and a block of only escapes."""
+    """All 65536 patterns, shuffled: nearly every exponent occurs, so most values escape
+    every level and the exceptions run long."""
     patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     shuffled = patterns[torch.randperm(patterns.numel(), generator=torch.Generator().manual_seed(0))]
     tensor = shuffled.view(dtype).view(4, 128, 128)
-    fmt, records = encode(tensor, ExponentCode(dtype, 3, 256, second_bits))
+    fmt, records = encode(tensor, ExponentCode(dtype, 3, 256, second_bits=second_bits))
     assert torch.equal(bits(decode_records_torch(records, fmt)), bits(tensor.reshape(4, -1)))
     assert not fmt.pays()  # uniform bit patterns do not compress: the store keeps them raw
 
@@ -100,8 +101,12 @@ def test_bad_codes_and_tensors_are_refused():
         ExponentCode(torch.bfloat16, block=100)
     with pytest.raises(ValueError, match="second_bits"):
         ExponentCode(torch.bfloat16, second_bits=1)
-    with pytest.raises(ValueError, match="the codebook holds 16"):
+    with pytest.raises(ValueError, match="second_bits"):
         ExponentCode(torch.bfloat16, code_bits=3, second_bits=4)
+    with pytest.raises(ValueError, match="the codebook holds 16"):
+        ExponentCode(torch.bfloat16, code_bits=4)  # 15 + 7 entries
+    with pytest.raises(TypeError):
+        ExponentCode(torch.bfloat16, 3, 64, 0)  # second_bits is keyword-only
     with pytest.raises(ValueError, match="the tensor is torch.float16"):
         analyse(torch.zeros(2, 4, dtype=torch.float16), ExponentCode(torch.bfloat16))
 
@@ -145,7 +150,9 @@ def _check_kernel(tensors: list[torch.Tensor], code: ExponentCode, device: str, 
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("code_bits, block, second_bits", [(3, 64, 0), (2, 32, 3), (4, 16, 0), (2, 64, 2), (3, 16, 3)])
+@pytest.mark.parametrize(
+    "code_bits, block, second_bits", [(3, 64, 0), (2, 32, 3), (4, 16, 0), (2, 64, 2), (3, 16, 3), (3, 32, 2)]
+)
 def test_decode_kernel_equals_reference(device, dtype, code_bits, block, second_bits):
     """Four names in one launch (the most): ragged blocks, one value, specials, a wide scale."""
     gen = torch.Generator().manual_seed(block)
@@ -155,7 +162,24 @@ def test_decode_kernel_equals_reference(device, dtype, code_bits, block, second_
         with_specials((torch.randn(5, 3 * block, generator=gen) * 0.05).to(dtype), 2),
         (torch.randn(5, 2, 17, generator=gen) * torch.logspace(-6, 2, 34).view(2, 17)).to(dtype),
     ]
-    _check_kernel(tensors, ExponentCode(dtype, code_bits, block, second_bits), device)
+    _check_kernel(tensors, ExponentCode(dtype, code_bits, block, second_bits=second_bits), device)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_decode_kernel_mixes_names_with_and_without_second_codes(device):
+    """A name that never escapes (spill 0) beside coded ones in one launch of more programs
+    than work items; then a plan of no copies writes nothing."""
+    gen = torch.Generator().manual_seed(5)
+    constant = torch.full((5, 40), 0.375).to(torch.bfloat16)
+    tensors = [constant, with_specials((torch.randn(5, 100, generator=gen) * 0.02).to(torch.bfloat16), 6)]
+    code = ExponentCode(torch.bfloat16, block=16)
+    source, segments = _source(tensors, code, device)
+    assert segments.formats[0].spill == 0 and segments.formats[1].spill > 0
+    _check_kernel(tensors, code, device, num_programs=64)  # 3 copies x 10 blocks: 30 items
+    slots = [torch.full((4, *t.shape[1:]), -7.0, dtype=t.dtype, device=device) for t in tensors]
+    nothing = CopyPlan.of(torch.zeros(29, dtype=torch.int32, device=device))
+    decode_copy(source, slots, nothing, segments, num_experts=5, num_programs=3)
+    assert all(bool((slot == -7.0).all()) for slot in slots)
 
 
 @pytest.mark.parametrize("device", devices())

@@ -76,7 +76,7 @@ def enable_expert_cache(
         recorder: a `RoutingRecorder` that receives every MoE layer's ``topk_ids``.
         mode: ``"host"`` (default) or ``"device"`` (GPU admission, LRU, CUDA-graph capturable).
         compression: ``"exponent"``: store bf16/fp16 experts losslessly exponent-coded in
-            pinned memory (~0.70 of the bytes over PCIe, slots bit-identical); default None.
+            pinned memory (~0.68 of the bytes over PCIe, slots bit-identical); default None.
             The pin budget is checked against the raw bytes (an upper bound).
 
     Returns:
