@@ -81,6 +81,10 @@ class ExponentCode:
     def __post_init__(self) -> None:
         if self.dtype not in FLOAT16_FIELDS:
             raise ValueError(f"exponent coding applies to bfloat16 and float16 tensors, not {self.dtype}")
+        for name in ("code_bits", "block", "second_bits"):
+            value = getattr(self, name)
+            if type(value) is not int:  # not a bool (False would pass as 0), float or string
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if self.code_bits not in (2, 3, 4):
             raise ValueError(f"code_bits must be 2, 3 or 4, got {self.code_bits!r}")
         if self.block < 16 or self.block > 65536 or self.block & (self.block - 1):

@@ -107,6 +107,9 @@ def test_bad_codes_and_tensors_are_refused():
         ExponentCode(torch.bfloat16, code_bits=4)  # 15 + 7 entries
     with pytest.raises(TypeError):
         ExponentCode(torch.bfloat16, 3, 64, 0)  # second_bits is keyword-only
+    for bad in ({"second_bits": False}, {"code_bits": 3.0}, {"block": "8192"}):
+        with pytest.raises(TypeError, match="must be an int"):
+            ExponentCode(torch.bfloat16, **bad)
     with pytest.raises(ValueError, match="the tensor is torch.float16"):
         analyse(torch.zeros(2, 4, dtype=torch.float16), ExponentCode(torch.bfloat16))
 
