@@ -12,7 +12,11 @@ One call, each step after the first able to fail without leaving a trace::
     tell    the policy hears of the call (`call_plan.tell_policy`)
 
 A call of more keys than slots runs as expert-group passes (`passes`, `expertcache.passes`),
-each of them such a call of its group's keys.
+each of them such a call of its group's keys. Only pass 0 reads: a later pass plans on the
+table as the passes before it left it (their plans applied on the host), and snapshots the
+state for its rollback on the device, so the host plans and enqueues pass g+1 while the GPU
+still runs pass g. Should any other call begin on the pool between two passes (the
+generator yields), the next pass reads again.
 
 ``SIGINT`` is held from plan to tell (`call_guards.deferred_interrupts`); an exception
 there restores the slots the plan overwrote (`mover.restore_slots`), the tables and
@@ -65,15 +69,17 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
         keys = local_keys(layer, ids_host)
         if len(keys) > pool.num_slots:
             raise CacheCapacityError(len(keys), pool.num_slots)
-        return _serve(pool, layer, topk_ids.contiguous(), keys, committed)
+        table = _expert_to_slot(pool, committed)
+        return _serve(pool, layer, topk_ids.contiguous(), keys, table, torch.from_numpy(committed))[0]
 
 
 def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator[torch.Tensor]:
     """Host-mode ``SlotPool.passes``: slot ids of each expert-group pass (`expertcache.passes`).
 
-    The groups come from the state read for pass 0; every pass is then an ordinary call
-    of its group's keys (read, plan, move, commit, tell), so each one is atomic and a
-    pass never relies on state read before an earlier pass ran.
+    The groups come from the state read for pass 0; every pass is then an ordinary call of
+    its group's keys (plan, move, commit, tell), so each one is atomic. Pass g > 0 plans on
+    the table the earlier passes committed, known on the host from their plans, unless
+    another call began on the pool in between (then it reads the state again).
     """
     _check_not_compiling()
     ids = topk_ids.contiguous()
@@ -83,7 +89,7 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator
         table = _expert_to_slot(pool, committed)
         groups = group_passes(keys, [bool(table[key] >= 0) for key in keys], pool.num_slots)
         if len(groups) == 1:
-            only = _serve(pool, layer, ids, keys, committed)
+            only, _ = _serve(pool, layer, ids, keys, table, torch.from_numpy(committed))
     if len(groups) == 1:
         yield only
         return
@@ -93,11 +99,17 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator
     local = layer.global_to_local_host[ids_host.reshape(-1)]
     pass_host = np.where(local >= 0, group_of[np.maximum(local, 0) + layer.key_offset], 0).astype(np.int32)
     pass_of = torch.from_numpy(pass_host.reshape(ids.shape)).to(pool.device)
+    table, snapshot, begun = table.copy(), torch.from_numpy(committed), pool.calls_begun
     for index, group in enumerate(groups):
         with pool.guard, on_device(pool.device):
-            if index > 0:
+            if index > 0 and pool.calls_begun != begun:  # another call ran between the passes
                 _, committed = _read(pool, None)
-            out = _serve(pool, layer, ids, list(group), committed, passes=(pass_of, index))
+                table, snapshot = _expert_to_slot(pool, committed).copy(), torch.from_numpy(committed)
+            elif index > 0:  # the state the last pass committed, copied on the device (no sync)
+                snapshot = pool.tables.committed.clone()
+            out, plan = _serve(pool, layer, ids, list(group), table, snapshot, passes=(pass_of, index))
+            begun = pool.calls_begun
+            _apply_plan(table, plan)
         yield out
 
 
@@ -106,11 +118,17 @@ def _serve(
     layer: PoolLayer,
     ids: torch.Tensor,
     keys: list[int],
-    committed: np.ndarray,
+    table: np.ndarray,
+    snapshot: torch.Tensor,
     passes: tuple[torch.Tensor, int] | None = None,
-) -> torch.Tensor:
-    """Plan, move, commit and tell one call (or pass) of ``keys`` on the state ``committed``."""
-    table = _expert_to_slot(pool, committed)
+) -> tuple[torch.Tensor, CallPlan]:
+    """Plan, move, commit and tell one call (or pass) of ``keys``.
+
+    Args:
+        table: ``expert_to_slot`` now (int32, every key of the pool), the planner's view.
+        snapshot: the committed state bytes now (host or device), restored on an error.
+    """
+    pool.calls_begun += 1
     out = torch.empty_like(ids)
     first_pass = passes is None or passes[1] == 0
     starts_forward = first_pass and pool.forward.starts_forward(layer.name)
@@ -127,13 +145,21 @@ def _serve(
             _commit(pool, layer, plan, ids, out, passes)
         except BaseException:  # even a launch that raised after it ran leaves nothing behind
             restore_slots(pool.tensors, plan.loads, pool.store_of)
-            pool.tables.committed.copy_(torch.from_numpy(committed))
+            pool.tables.committed.copy_(snapshot)
             policy.abort_call()
             raise
         if first_pass:
             pool.forward.record(layer.name)
         tell_policy(plan, policy)
-    return out
+    return out, plan
+
+
+def _apply_plan(table: np.ndarray, plan: CallPlan) -> None:
+    """``table`` (``expert_to_slot``) as the commit of ``plan`` leaves it on the device."""
+    for load in plan.loads:
+        if load.evicted is not None:
+            table[cast(int, load.evicted)] = -1
+        table[cast(int, load.key)] = load.slot
 
 
 def _check_not_compiling() -> None:

@@ -114,6 +114,8 @@ class SlotPool:
         #: (`expertcache.parallel.pacing`), never to change what lands.
         self.copy_expert: CopyExpert = copy_pairs
         self.forward = host_prepare.ForwardTracker()
+        #: host-mode calls (and passes) begun: a multi-pass call trusts its own bookkeeping while no other began
+        self.calls_begun = 0
         self.backup: torch.Tensor | None = None  # device mode: the state before the call in flight
         with torch.inference_mode(False):
             self.no_passes = torch.empty(0, dtype=torch.int32, device=self.device)  # a call of one pass

@@ -97,6 +97,23 @@ def test_a_failing_step_rolls_back(monkeypatch, device, failure, mode, module, s
     assert_next_call_is_right(provider, weights, device)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("step", ["copy_with_engine", "commit_plan"])
+def test_a_failing_later_pass_rolls_back_to_the_pass_before(monkeypatch, device, step):
+    """Host mode's pass 1 plans without reading the state again; when it fails, the state is
+    restored from its on-device snapshot: exactly as pass 0 left it."""
+    weights, provider = warm(device, "host")
+    passes = provider.passes(torch.arange(E, device=device).reshape(4, 2))  # 8 experts, 4 slots: 2 passes
+    next(passes)  # the 4 resident experts, nothing copied
+    before = snapshot(provider)
+    monkeypatch.setattr(host_prepare, step, fail_after(getattr(host_prepare, step), RuntimeError))
+    with pytest.raises(RuntimeError, match="injected"):
+        next(passes)  # pass 1: 4 misses, 4 evictions; its copies (or its commit) ran, then raised
+    monkeypatch.undo()
+    assert_unchanged(provider, before)
+    assert_next_call_is_right(provider, weights, device)
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
 def test_ctrl_c_during_the_copies_waits_for_the_commit():
     """A real SIGINT during the copies is held until the call has committed, then raised."""

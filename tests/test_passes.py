@@ -19,6 +19,7 @@ from helpers import random_topk, random_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import expertcache.host_prepare as host_prepare
 from expertcache import CachedWeightProvider, FullGPUProvider, SlotPool
 from expertcache.kernels import moe_apply, moe_apply_grouped, moe_apply_passes
 from expertcache.kernels.passes import assign_passes, assign_passes_torch
@@ -184,6 +185,72 @@ def test_bad_ids_raise_before_any_pass_runs():
         provider.passes(torch.tensor([[0.0, 1.0]]))  # metadata: checked before passes() returns
     assert provider.stats.calls == 0 and provider.resident() == frozenset()
     assert len(list(provider.passes(torch.tensor([[0, 1], [2, 3], [4, 5]])))) == 3
+
+
+@pytest.mark.parametrize("device", devices())
+def test_host_passes_read_the_state_once_per_call(monkeypatch, device):
+    """Pass 0 reads ids and state (the sync); later passes plan on what the passes before
+    them committed, which must be what the device tables say."""
+    gen = torch.Generator().manual_seed(5)
+    weights = random_weights(16, HIDDEN, INTER, generator=gen)
+    provider = CachedWeightProvider(weights, cache_size=3, mode="host", device=device)
+    full = {name: tensor.to(device) for name, tensor in weights.items()}
+    reads = []
+    real_read = host_prepare._read
+    monkeypatch.setattr(host_prepare, "_read", lambda *args: reads.append(args[1] is None) or real_read(*args))
+    for _ in range(4):
+        ids = random_topk(12, 2, 16, generator=gen).to(device)
+        hidden, router = torch.randn(12, HIDDEN, generator=gen).to(device), torch.rand(12, 2, generator=gen).to(device)
+        reads.clear()
+        out = _reference_over_passes(hidden, provider.passes(ids), router)
+        assert reads == [False]  # one read, of ids and state, for every pass
+        assert torch.equal(out, moe_forward(hidden, full["w1"], full["w2"], router, ids))
+    table = provider.pool.tables.expert_to_slot.cpu()
+    slot_to_key = provider.pool.tables.slot_to_key.cpu()
+    assert torch.equal(table[slot_to_key.long()], torch.arange(3, dtype=torch.int32))  # consistent tables
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_call_between_two_host_passes_makes_the_next_pass_read_again(monkeypatch, device):
+    """Layer 1's call between layer 0's passes moves the shared pool's slots: layer 0's next
+    pass must plan on the state read after it, and neither layer's experts get corrupted."""
+    gen = torch.Generator().manual_seed(9)
+    layers = [random_weights(8, HIDDEN, INTER, generator=gen) for _ in range(2)]
+    pool = SlotPool.for_weights(layers[0], 3, device=device, mode="host")
+    providers = [CachedWeightProvider(w, pool=pool, layer=index) for index, w in enumerate(layers)]
+    full = [{name: tensor.to(device) for name, tensor in w.items()} for w in layers]
+    reads = []
+    real_read = host_prepare._read
+    monkeypatch.setattr(host_prepare, "_read", lambda *args: reads.append(args[1] is None) or real_read(*args))
+    hidden, router = torch.randn(4, HIDDEN, generator=gen).to(device), torch.rand(4, 2, generator=gen).to(device)
+    for round_ in range(3):
+        big = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], device=device)  # 8 experts, 3 slots: 3 passes
+        small = torch.tensor([[(round_ + 1) % 8, (round_ + 4) % 8]], device=device)
+        reads.clear()
+        per_choice, served = (
+            torch.zeros(4, 2, HIDDEN, device=device),
+            torch.zeros(4, 2, 1, dtype=torch.bool, device=device),
+        )
+        for index, result in enumerate(providers[0].passes(big)):
+            mine = (result.topk_ids >= 0).unsqueeze(-1)
+            per_choice = torch.where(mine, expert_outputs(hidden, result.w1, result.w2, result.topk_ids), per_choice)
+            served |= mine
+            if index == 0:  # another layer's call, between the passes
+                other = providers[1].prepare(small)
+                assert torch.equal(
+                    expert_outputs(hidden[:1], other.w1, other.w2, other.topk_ids),
+                    expert_outputs(hidden[:1], full[1]["w1"], full[1]["w2"], small),
+                )
+        assert bool(served.all())
+        assert torch.equal(
+            combine_expert_outputs(per_choice, router), moe_forward(hidden, full[0]["w1"], full[0]["w2"], router, big)
+        )
+        assert reads == [False, False, True]  # layer 0's call, layer 1's, layer 0's re-read
+        again = providers[1].prepare(small)  # layer 1's experts were not overwritten behind its back
+        assert torch.equal(
+            expert_outputs(hidden[:1], again.w1, again.w2, again.topk_ids),
+            expert_outputs(hidden[:1], full[1]["w1"], full[1]["w2"], small),
+        )
 
 
 @pytest.mark.gpu
