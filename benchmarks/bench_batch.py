@@ -12,6 +12,8 @@ process, one set of pinned stores shared by every variant, one apply kernel
     host             host-mode CachedWeightProvider, per-layer pools, eager (not capturable)
     device           device-mode CachedWeightProvider, per-layer pools, CUDA graph
     device global    device mode, one SlotPool shared by all layers (same total slots), CUDA graph
+    device coded     device mode, per-layer pools, exponent-coded stores (`expertcache.compression`,
+                     ~0.68 of the bytes cross PCIe; decoded into the slots), CUDA graph
 
 (`DecodeStack` serves the device variants' calls with ``passes(ids, overlap=True)``: a call
 of at most 64 ids that fits in one pass on a pool smaller than the layer is served as its
@@ -27,10 +29,15 @@ steps is timed with CUDA events (one graph per batch size). Physical bound of a 
 measured pinned copy-engine rates: a 64 MiB buffer and one whole layer's store (~1.2 GB, the
 rate streaming gets). ratio = step time / bound. ``rel_err``: the max abs difference of one
 check step's output from the resident step's (same inputs), over the resident's max abs.
+A coded variant's bound counts the raw bytes of its misses, as every other cache's does (the
+same physical limit for moving these weights); ``ratio_to_coded`` divides by the bound of the
+coded bytes it moved instead.
 
 ``--prefill 1024 4096``: one forward over T consecutive trace tokens instead (eager), at
 ``--prefill-fraction`` of the experts in slots, fresh (cold) caches, bound = resident forward
-+ each touched expert's bytes once / pinned bandwidth.
++ each touched expert's bytes once / pinned bandwidth. ``--profile``: one more forward of each
+cache variant under `torch.profiler`; prints where its GPU time goes and how much of the
+forward the GPU sat idle.
 
 ``--dry-run``: the same plumbing on a CPU with tiny shapes and interpreted kernels (fp32,
 eager, no graphs), results to a temporary folder: a check, not a measurement.
@@ -89,6 +96,7 @@ class Bench:
     apply: Callable | None  # None: DecodeStack's default
     copy_gbps: float  # the bound's bandwidth: the faster of the measured rates (64 MiB, one layer)
     graphs: bool
+    coded_stores: list[CPUBackingStore] | None = None  # the same experts, exponent-coded
 
     @property
     def expert_bytes(self) -> int:
@@ -165,15 +173,17 @@ class Variant:
     num_slots: int | None = None  # slots one layer's call may use (caches)
 
 
-def cached(bench: Bench, fraction: float, mode: str, shared: bool) -> Variant:
-    E, L = bench.shape["experts"], len(bench.stores)
+def cached(bench: Bench, fraction: float, mode: str, shared: bool, coded: bool = False) -> Variant:
+    E = bench.shape["experts"]
+    stores = bench.coded_stores if coded else bench.stores
+    assert stores is not None, "coded variants need the coded stores (build_bench)"
     slots = max(1, round(fraction * E))
     if shared:
-        pool = SlotPool(bench.stores[0].layout, slots * L, device=bench.device, mode=mode)
-        providers = [CachedWeightProvider(s, pool=pool, layer=index) for index, s in enumerate(bench.stores)]
+        pool = SlotPool(stores[0].layout, slots * len(stores), device=bench.device, mode=mode)
+        providers = [CachedWeightProvider(s, pool=pool, layer=index) for index, s in enumerate(stores)]
     else:
-        providers = [CachedWeightProvider(s, cache_size=slots, device=bench.device, mode=mode) for s in bench.stores]
-    name = f"{mode}{' global' if shared else ''}"
+        providers = [CachedWeightProvider(s, cache_size=slots, device=bench.device, mode=mode) for s in stores]
+    name = f"{mode}{' global' if shared else ''}{' coded' if coded else ''}"
     graph = bench.graphs and mode == "device"
     return Variant(name, f"{fraction:.0%}", providers, graph, num_slots=providers[0].pool.num_slots)
 
@@ -183,13 +193,16 @@ def streaming(bench: Bench, depth: int) -> Variant:
     return Variant(f"stream d{depth}", "stream", ring.providers, bench.graphs, bytes_per_step=ring.bytes_per_step)
 
 
-def variant_builders(bench: Bench, fractions: list[float]) -> list[tuple[str, Callable[[], Variant]]]:
+def variant_builders(bench: Bench, fractions: list[float], coded: list[float]) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
     for fraction in fractions:
         for mode, shared in (("host", False), ("device", False), ("device", True)):
             label = f"{mode}{' global' if shared else ''} {fraction:.0%}"
             builders.append((label, lambda f=fraction, m=mode, s=shared: cached(bench, f, m, s)))
+        if fraction in coded and bench.coded_stores:
+            build = functools.partial(cached, bench, fraction, "device", False, True)
+            builders.append((f"device coded {fraction:.0%}", build))
     return builders
 
 
@@ -256,6 +269,9 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
     if variant.bytes_per_step is None and variant.name != "resident":
         row.update(hit_rate=delta.hit_rate, overflows=delta.overflows,
                    max_passes=max_passes(batch * shape["top_k"], shape["experts"], variant.num_slots))  # fmt: skip
+    if "coded" in variant.name:  # PCIe carried the coded bytes
+        coded = delta.compressed_bytes_h2d / steps
+        row.update(mb_coded_per_step=coded / 1e6, coded_copy_ms=coded / (bench.copy_gbps * 1e6))
     return row
 
 
@@ -308,6 +324,7 @@ def run_variant(bench: Bench, label: str, build: Callable[[], Variant], args, re
 
 def finish_row(row: dict, output: torch.Tensor | None, resident: tuple | None) -> dict:
     """Bound, ratio, and the last output's distance from the resident step's (same inputs)."""
+    coded_ms = row.pop("coded_copy_ms", None)
     if resident is None or output is None:
         return row
     resident_ms, reference = resident
@@ -317,6 +334,8 @@ def finish_row(row: dict, output: torch.Tensor | None, resident: tuple | None) -
     # layers before it: resident compute + copies is the bound without speculation
     row["serial_bound_ms"] = resident_ms + row["copy_ms"]
     row["ratio_to_serial"] = row["ms_per_step"] / row["serial_bound_ms"]
+    if coded_ms is not None:  # against the bound of the bytes it actually moved
+        row["ratio_to_coded"] = row["ms_per_step"] / max(resident_ms, coded_ms)
     row["max_abs_err"] = (output - reference).abs().max().item()
     row["rel_err"] = row["max_abs_err"] / max(reference.abs().max().item(), 1e-30)
     return row
@@ -326,7 +345,8 @@ def finish_row(row: dict, output: torch.Tensor | None, resident: tuple | None) -
 
 DECODE_COLUMNS = [
     "variant", "cache", "batch", "graph", "ms_per_step", "tok_per_s", "hit_rate", "max_passes",
-    "mb_copied_per_step", "copy_ms", "bound_ms", "ratio_to_bound", "ratio_to_serial", "overflows", "rel_err", "error",
+    "mb_copied_per_step", "mb_coded_per_step", "copy_ms", "bound_ms", "ratio_to_bound", "ratio_to_serial",
+    "ratio_to_coded", "overflows", "rel_err", "error",
 ]  # fmt: skip
 
 
@@ -341,7 +361,7 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
                        reference)  # fmt: skip
     save(rows)
     providers.clear()
-    for label, build in variant_builders(bench, args.fractions):
+    for label, build in variant_builders(bench, args.fractions, args.coded):
         rows += (new := run_variant(bench, label, build, args, reference))
         save(new)
     return rows
@@ -359,7 +379,9 @@ def run_prefill(bench: Bench, args, resident: list[dict]) -> list[dict]:
             **{f"stream d{d}": (lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)},
             "host": lambda: cached(bench, args.prefill_fraction, "host", False),
             "device": lambda: cached(bench, args.prefill_fraction, "device", False),
-        }
+            **({"device coded": lambda: cached(bench, args.prefill_fraction, "device", False, True)}
+               if bench.coded_stores else {}),
+        }  # fmt: skip
         resident_ms = None
         for name, build in builders.items():
             row = {"variant": name, "tokens": tokens, "mb_touched": touched / 1e6}
@@ -374,10 +396,34 @@ def run_prefill(bench: Bench, args, resident: list[dict]) -> list[dict]:
                 row["bound_ms"] = resident_ms + (0 if name == "resident" else touched / (bench.copy_gbps * 1e6))
                 row["ratio_to_bound"] = row["ms"] / row["bound_ms"]
             rows.append(row)
+            if args.profile and name not in ("resident",) and "error" not in row:
+                profile_prefill(bench, build, hidden, routing, f"{name}, {tokens} tokens")
             gc.collect()
             if bench.device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+def profile_prefill(bench: Bench, build: Callable[[], Variant], hidden, routing, title: str) -> None:
+    """One more cold forward under `torch.profiler`: its GPU time by kernel, and the idle share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    variant = build()
+    stack = make_stack(bench, variant)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device.type == "cuda" else [])
+    sync(bench.device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        stack.step(hidden, routing)
+        sync(bench.device)
+    wall_ms = (time.perf_counter() - start) * 1e3
+    events = prof.key_averages()
+    busy_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    print(f"\nprofile: {title}: {wall_ms:.1f} ms wall (profiled), GPU busy {busy_us / 1e3:.1f} ms "
+          f"(kernels and copies; they may overlap)")  # fmt: skip
+    print(events.table(sort_by="self_device_time_total" if bench.device.type == "cuda" else "self_cpu_time_total",
+                       row_limit=14, max_name_column_width=60))  # fmt: skip
+    del stack, variant
 
 
 def prefill_once(bench: Bench, build: Callable[[], Variant], hidden, routing, repeats: int) -> dict:
@@ -444,6 +490,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill", type=int, nargs="+", default=None, metavar="T", help="prefill mode: T tokens")
     parser.add_argument("--prefill-fraction", type=float, default=0.25)
     parser.add_argument("--prefill-repeats", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="prefill: profile one more forward of each cache")
+    parser.add_argument("--coded", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
+                        help="device mode over exponent-coded stores at these fractions (prefill: any adds it; "
+                             "none given: no coded variant)")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, interpreted kernels")
     args = parser.parse_args()
     if args.dry_run and args.batch_sizes == parser.get_default("batch_sizes"):
@@ -474,6 +524,16 @@ def build_bench(args) -> tuple[Bench, list[dict]]:
           f"{sum(s.nbytes for s in stores) / 1e9:.2f} GB built and pinned in {time.perf_counter() - start:.1f} s; "
           f"pinned copy bandwidth {small_gbps:.1f} GB/s (64 MiB), {layer_gbps:.1f} GB/s (one layer, "
           f"{stores[0].nbytes / 1e9:.2f} GB)", flush=True)  # fmt: skip
+    if args.coded and shape["dtype"] in (torch.bfloat16, torch.float16):
+        start = time.perf_counter()  # encoded where the weights are (the GPU)
+        bench.coded_stores = [
+            CPUBackingStore(layout, w, pin=device.type == "cuda", compression="exponent", progress=False)
+            for w in resident
+        ]
+        print(f"coded stores: {sum(s.nbytes for s in bench.coded_stores) / 1e9:.2f} GB, encoded and pinned in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
+    elif args.coded:
+        print(f"no coded variants: the exponent code takes bf16/fp16 experts, these are {shape['dtype']}")
     return bench, resident
 
 
