@@ -188,6 +188,32 @@ def test_bad_ids_raise_before_any_pass_runs():
 
 
 @pytest.mark.parametrize("device", devices())
+def test_keys_found_on_the_device_equal_the_host_ones(device):
+    """Large host-mode calls deduplicate on the device (`first_positions`): the same keys,
+    in the same first-appearance order, as the host's `local_keys`, with an EP map and a
+    shared pool's key offsets; an id out of range raises the same IndexError."""
+    gen = torch.Generator().manual_seed(13)
+    num_global = 24
+    local_of = torch.where(torch.arange(num_global) % 3 != 1, torch.arange(num_global) * 2 // 3, -1).to(torch.int32)
+    layers = [random_weights(16, HIDDEN, INTER, generator=gen) for _ in range(2)]
+    pool = SlotPool.for_weights(layers[0], 4, device=device, mode="host")
+    providers = [CachedWeightProvider(w, pool=pool, layer=index, expert_map=local_of) for index, w in enumerate(layers)]
+    for trial in range(12):
+        layer = providers[trial % 2].layer
+        tokens = int(torch.randint(1, 300, (1,), generator=gen))
+        ids = torch.randint(0, 1 + trial * 2, (tokens, 3), generator=gen)  # few distinct ids early on
+        summary = host_prepare.first_positions(ids.reshape(-1).to(device), num_global).cpu().numpy()
+        found = host_prepare.keys_from_first_positions(layer, summary, ids.numel())
+        assert found == host_prepare.local_keys(layer, ids.numpy())
+    for bad in (-1, num_global):
+        ids = torch.zeros(host_prepare.DEVICE_KEYS_MIN_IDS, 1, dtype=torch.int64)
+        ids[7, 0] = bad
+        with pytest.raises(IndexError, match=f"expert id {bad} in topk_ids is outside"):
+            next(providers[0].passes(ids.to(device)))
+    assert providers[0].stats.calls == 0 and providers[0].resident() == frozenset()
+
+
+@pytest.mark.parametrize("device", devices())
 def test_host_passes_read_the_state_once_per_call(monkeypatch, device):
     """Pass 0 reads ids and state (the sync); later passes plan on what the passes before
     them committed, which must be what the device tables say."""
