@@ -485,7 +485,11 @@ def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Pa
         axis.set_xscale("log", base=2)
         axis.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("tokens / s")
-    axes[0][-1].legend(fontsize=8)
+    legend = {}  # every variant once, whichever panel drew it
+    for axis in axes[0]:
+        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    axes[0][-1].legend(legend.values(), legend.keys(), fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
