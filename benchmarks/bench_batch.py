@@ -14,6 +14,10 @@ process, one set of pinned stores shared by every variant, one apply kernel
     device global    device mode, one SlotPool shared by all layers (same total slots), CUDA graph
     device coded     device mode, per-layer pools, exponent-coded stores (`expertcache.compression`,
                      ~0.68 of the bytes cross PCIe; decoded into the slots), CUDA graph
+    device prefetch  device mode, per-layer pools, and layer l+1's experts prefetched once layer
+      R/K            l's router ran (``DecodeStack.step(..., prefetch)``), guessed by an oracle
+                     that knows R of the K true ids (the other K - R guesses are wrong ones):
+                     what a predictor of that quality could win; small batches (B * K <= slots)
 
 (`DecodeStack` serves the device variants' calls with ``passes(ids, overlap=True)``: a call
 of at most 64 ids that fits in one pass on a pool smaller than the layer is served as its
@@ -173,6 +177,7 @@ class Variant:
     graph: bool
     bytes_per_step: int | None = None  # fixed copies (streaming); None: read the cache's stats
     num_slots: int | None = None  # slots one layer's call may use (caches)
+    right: int | None = None  # prefetch: true ids among the K guesses an oracle makes per token
 
 
 def cached(bench: Bench, fraction: float, mode: str, shared: bool, coded: bool = False) -> Variant:
@@ -190,12 +195,25 @@ def cached(bench: Bench, fraction: float, mode: str, shared: bool, coded: bool =
     return Variant(name, f"{fraction:.0%}", providers, graph, num_slots=providers[0].pool.num_slots)
 
 
+def prefetching(bench: Bench, fraction: float, right: int) -> Variant:
+    variant = cached(bench, fraction, "device", False)
+    return dataclasses.replace(variant, name=f"device prefetch {right}/{bench.shape['top_k']}", right=right)
+
+
+def oracle_guesses(routing: torch.Tensor, right: int, num_experts: int) -> torch.Tensor:
+    """``[..., L, B, K]`` guesses: the first ``right`` true ids of each token, then wrong
+    ones (true id + 37 mod E, which may by chance be right)."""
+    return torch.cat([routing[..., :right], (routing[..., right:] + 37) % num_experts], dim=-1)
+
+
 def streaming(bench: Bench, depth: int) -> Variant:
     ring = StreamingLayers(bench.stores, depth, device=bench.device)
     return Variant(f"stream d{depth}", "stream", ring.providers, bench.graphs, bytes_per_step=ring.bytes_per_step)
 
 
-def variant_builders(bench: Bench, fractions: list[float], coded: list[float]) -> list[tuple[str, Callable]]:
+def variant_builders(
+    bench: Bench, fractions: list[float], coded: list[float], prefetch: list[float]
+) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
     for fraction in fractions:
@@ -205,6 +223,10 @@ def variant_builders(bench: Bench, fractions: list[float], coded: list[float]) -
         if fraction in coded and bench.coded_stores:
             build = functools.partial(cached, bench, fraction, "device", False, True)
             builders.append((f"device coded {fraction:.0%}", build))
+        if fraction in prefetch:
+            for right in sorted({bench.shape["top_k"], 3 * bench.shape["top_k"] // 4}, reverse=True):
+                label = f"device prefetch {right}/{bench.shape['top_k']} {fraction:.0%}"
+                builders.append((label, functools.partial(prefetching, bench, fraction, right)))
     return builders
 
 
@@ -265,19 +287,27 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
     gen = torch.Generator(device=device).manual_seed(batch)
     hidden = torch.randn(warmup + steps, batch, shape["hidden"], device=device, generator=gen, dtype=shape["dtype"])
     stack = make_stack(bench, variant)
-    step = GraphedDecodeStep(stack, hidden[0], routing[:1]) if variant.graph else stack.step
+    guesses = None if variant.right is None else oracle_guesses(routing, variant.right, shape["experts"])
+    extra = (lambda index: ()) if guesses is None else (lambda index: (guesses[index],))
+    if variant.graph:
+        step = GraphedDecodeStep(stack, hidden[0], routing[:1], None if guesses is None else guesses[:1])
+    else:
+        step = stack.step
     for index in range(warmup):
-        step(hidden[index], routing[index])
+        step(hidden[index], routing[index], *extra(index))
     before = total_stats(variant.providers)
+    prefetched_before = prefetched_bytes(variant.providers)
 
     def run() -> None:
         for index in range(warmup, warmup + steps):
-            step(hidden[index], routing[index])
+            step(hidden[index], routing[index], *extra(index))
 
     ms = timed_ms(run, device) / steps
     delta = _stats_delta(total_stats(variant.providers), before)
-    check = check_output(step, batch, shape, routing[0], device)
+    check = check_output(step, batch, shape, routing[0], device, *extra(0))
     copied = variant.bytes_per_step if variant.bytes_per_step is not None else delta.bytes_h2d / steps
+    prefetched = (prefetched_bytes(variant.providers) - prefetched_before) / steps
+    copied += prefetched  # the prefetches' copies cross PCIe too
     row = {
         "variant": variant.name, "cache": variant.cache, "batch": batch, "graph": variant.graph,
         "ms_per_step": ms, "tok_per_s": 1e3 * batch / ms, "mb_copied_per_step": copied / 1e6,
@@ -286,17 +316,24 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
     if variant.bytes_per_step is None and variant.name != "resident":
         row.update(hit_rate=delta.hit_rate, overflows=delta.overflows,
                    max_passes=max_passes(batch * shape["top_k"], shape["experts"], variant.num_slots))  # fmt: skip
+    if variant.right is not None:
+        row.update(right=variant.right, mb_prefetched_per_step=prefetched / 1e6)
     if "coded" in variant.name:  # PCIe carried the coded bytes
         coded = delta.compressed_bytes_h2d / steps
         row.update(mb_coded_per_step=coded / 1e6, coded_copy_ms=coded / (bench.copy_gbps * 1e6))
     return row
 
 
-def check_output(step: Callable, batch: int, shape: dict, routing: torch.Tensor, device) -> torch.Tensor:
+def check_output(step: Callable, batch: int, shape: dict, routing: torch.Tensor, device, *extra) -> torch.Tensor:
     """One more step on inputs every variant sees alike: its fp32 output, to compare."""
     gen = torch.Generator(device=device).manual_seed(10_000 + batch)
     hidden = torch.randn(batch, shape["hidden"], device=device, generator=gen, dtype=shape["dtype"])
-    return step(hidden, routing).float().clone()
+    return step(hidden, routing, *extra).float().clone()
+
+
+def prefetched_bytes(providers) -> int:
+    """Bytes the providers' prefetches copied so far (0 for providers that cannot prefetch)."""
+    return sum(p.prefetch_stats.bytes_h2d for p in providers if getattr(p, "mode", None) == "device")
 
 
 def _stats_delta(after: CacheStats, before: CacheStats) -> CacheStats:
@@ -320,6 +357,8 @@ def run_variant(bench: Bench, label: str, build: Callable[[], Variant], args, re
         return [{"variant": label, "error": error_text(err)}]
     rows = []
     for batch in args.batch_sizes:
+        if variant.right is not None and batch * bench.shape["top_k"] > variant.num_slots:
+            continue  # a prefetch holds at most the slots' worth of ids
         warmup, steps = (1, args.streaming_steps) if variant.cache == "stream" else (args.warmup, args.steps)
         try:
             row = measure_batch(bench, variant, batch, warmup=warmup, steps=steps)
@@ -362,8 +401,8 @@ def finish_row(row: dict, output: torch.Tensor | None, resident: tuple | None) -
 
 DECODE_COLUMNS = [
     "variant", "cache", "batch", "graph", "ms_per_step", "tok_per_s", "hit_rate", "max_passes",
-    "mb_copied_per_step", "mb_coded_per_step", "copy_ms", "bound_ms", "ratio_to_bound", "ratio_to_serial",
-    "ratio_to_coded", "overflows", "rel_err", "error",
+    "mb_copied_per_step", "mb_prefetched_per_step", "mb_coded_per_step", "copy_ms", "bound_ms", "ratio_to_bound",
+    "ratio_to_serial", "ratio_to_coded", "overflows", "rel_err", "error",
 ]  # fmt: skip
 
 
@@ -378,7 +417,7 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
                        reference)  # fmt: skip
     save(rows)
     providers.clear()
-    for label, build in variant_builders(bench, args.fractions, args.coded):
+    for label, build in variant_builders(bench, args.fractions, args.coded, args.prefetch):
         rows += (new := run_variant(bench, label, build, args, reference))
         save(new)
     return rows
@@ -512,6 +551,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-fraction", type=float, default=0.25)
     parser.add_argument("--prefill-repeats", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="prefill: profile one more forward of each cache")
+    parser.add_argument("--prefetch", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
+                        help="device mode with oracle prefetches at these fractions (none given: none)")  # fmt: skip
     parser.add_argument("--coded", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode over exponent-coded stores at these fractions (prefill: any adds it; "
                              "none given: no coded variant)")  # fmt: skip

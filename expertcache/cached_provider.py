@@ -124,6 +124,12 @@ class CachedWeightProvider(ExpertWeightProvider):
         """Exact counters of this layer (an immutable snapshot)."""
         return self.pool.stats(self.layer)
 
+    @property
+    def prefetch_stats(self) -> CacheStats:
+        """Exact counters of this layer's prefetches (``hits``: already resident, ``misses``:
+        copied); kept apart from `stats`."""
+        return self.pool.prefetch_stats(self.layer)
+
     def resident(self) -> frozenset[int]:
         """Local expert ids that hold a slot now."""
         return frozenset(np.flatnonzero(self.pool.expert_to_slot(self.layer) >= 0).tolist())
@@ -168,6 +174,22 @@ class CachedWeightProvider(ExpertWeightProvider):
             and ids outside ``[0, E)`` come out -1, counted in ``stats.invalid_ids``.
         """
         return result_from_tensors(self.pool.tensors, self.pool.prepare(self.layer, topk_ids))
+
+    def prefetch(self, expert_ids: torch.Tensor) -> None:
+        """Start copying experts a predictor expects the next call to need; returns at once.
+
+        Args:
+            expert_ids: ``[N]`` or ``[T, K]`` int32/int64 global ids on the cache's device, at
+                most ``cache_size`` of them, e.g. the top-k of this layer's router applied to
+                an earlier layer's hidden state.
+
+        Device mode with a pool of its own only. The copies run on the pool's copy stream and
+        overlap what the current stream does next (other layers' compute); this layer's next
+        ``prepare`` or ``passes`` waits for them, and finds the right guesses resident. Wrong
+        guesses cost their copies and may evict useful experts. Capturable in a CUDA graph
+        (the next call must be captured too). See `SlotPool.prefetch`.
+        """
+        self.pool.prefetch(self.layer, expert_ids)
 
     def passes(self, topk_ids: torch.Tensor, *, overlap: bool = False) -> Iterator[ExpertWeightResult]:
         """Serve a call of any size, in expert-group passes when its experts exceed the slots.

@@ -12,6 +12,11 @@ decode batches that fit take one, or in device mode two when the pool cannot hol
 layer: its hits, computed while its misses are copied on a side stream, then its misses
 (``overlap``; the apply sums passes exactly, so the output is the same bits).
 
+``step(h, routing, prefetch)`` also hands each layer's predicted experts to the next
+layer's cache as soon as this layer's router has run (``providers[l + 1].prefetch``, device
+mode): their copies overlap this layer's work. Any predictor fits; the benchmarks use the
+trace itself (an oracle) to measure what a good one could win.
+
 Routing ids are an input (replayed from a trace, or any router's top-k), so a captured
 graph replays with fresh routing every step. With device-mode providers the captured step
 contains admissions and copies: misses are served inside the graph.
@@ -82,12 +87,15 @@ class DecodeStack:
     def num_layers(self) -> int:
         return len(self.providers)
 
-    def step(self, hidden: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, routing: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step.
 
         Args:
             hidden: ``[T, H]`` activations.
             routing: ``[L, T, K]`` int expert ids per layer.
+            prefetch: optional ``[L, T, P]`` predicted ids per layer: row ``l + 1`` goes to
+                ``providers[l + 1].prefetch`` once layer ``l``'s router has run (row 0 is
+                unused: nothing runs before the first layer).
 
         Returns:
             ``[T, H]`` activations after the last layer.
@@ -98,6 +106,8 @@ class DecodeStack:
             ids = routing[layer]
             logits = (h @ self.router[layer]).float()
             weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
+            if prefetch is not None and layer + 1 < self.num_layers:
+                self.providers[layer + 1].prefetch(prefetch[layer + 1])
             results = provider.passes(ids, overlap=True) if self.overlap else provider.passes(ids)
             h = h + self.apply(h, results, weights)
         return h
@@ -114,29 +124,47 @@ class GraphedDecodeStep:
         stack: the decode stack.
         hidden: ``[T, H]`` example activations (shape and dtype of every later input).
         warmup_routing: ``[W, L, T, K]`` routing of the warm-up steps (``W >= 1``).
+        warmup_prefetch: optional ``[W, L, T, P]`` predictions of the warm-up steps: the
+            graph then prefetches (``stack.step``'s ``prefetch``), and every replay takes them.
     """
 
-    def __init__(self, stack: DecodeStack, hidden: torch.Tensor, warmup_routing: torch.Tensor) -> None:
+    def __init__(
+        self,
+        stack: DecodeStack,
+        hidden: torch.Tensor,
+        warmup_routing: torch.Tensor,
+        warmup_prefetch: torch.Tensor | None = None,
+    ) -> None:
         self.stack = stack
         self.hidden = hidden.clone()
         self.routing = warmup_routing[0].clone()
+        self.prefetch = None if warmup_prefetch is None else warmup_prefetch[0].clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for routing in warmup_routing:
+            for index, routing in enumerate(warmup_routing):
                 self.routing.copy_(routing)
-                stack.step(self.hidden, self.routing)
+                if self.prefetch is not None:
+                    self.prefetch.copy_(warmup_prefetch[index])
+                stack.step(self.hidden, self.routing, self.prefetch)
         torch.cuda.current_stream().wait_stream(side)  # joined before capture begins
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.output = stack.step(self.hidden, self.routing)
+            self.output = stack.step(self.hidden, self.routing, self.prefetch)
 
-    def __call__(self, hidden: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
-        """Replay one step on ``hidden`` ``[T, H]`` with ``routing`` ``[L, T, K]``.
+    def __call__(
+        self, hidden: torch.Tensor, routing: torch.Tensor, prefetch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Replay one step on ``hidden`` ``[T, H]`` with ``routing`` ``[L, T, K]`` (and
+        ``prefetch`` ``[L, T, P]`` exactly when the graph was captured with predictions).
 
         Returns the graph's output buffer (overwritten by the next replay).
         """
+        if (prefetch is None) != (self.prefetch is None):
+            raise ValueError("pass prefetch exactly when the graph was captured with warmup_prefetch")
         self.hidden.copy_(hidden)
         self.routing.copy_(routing)
+        if self.prefetch is not None:
+            self.prefetch.copy_(prefetch)
         self.graph.replay()
         return self.output

@@ -30,11 +30,17 @@ sums passes exactly) splits it instead, so the hits' compute hides part of the c
     hits        admit (hits and misses written apart), copy on the pool's copy stream
                                                        -> hits' slot ids, -1 for misses
     misses      current stream joins the copy stream   -> misses' slot ids, -1 for hits
+
+``prefetch(ids)`` admits and copies predicted experts on the pool's copy stream (counted
+apart, in the ``prefetched`` counters); the pool's next call joins that stream first::
+
+    prefetch    copy stream waits for the current one; admit, copy there   (no slot ids)
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Iterator
@@ -144,6 +150,30 @@ def _hits_then_misses(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> It
         yield misses
     finally:
         _after_copies(pool)  # the caller stopped early: join anyway
+
+
+def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None:
+    """Device-mode ``SlotPool.prefetch``: admit ``expert_ids`` ``[1, N]`` and copy the misses
+    on the pool's copy stream, counting into the layer's ``prefetched`` row. Atomic like a
+    call: a failing launch puts the slots and the state back."""
+    copy_stream = pool.copy_stream()
+    tables = dataclasses.replace(pool.tables, counters=pool.tables.prefetched)
+    named = dict(pool.tensors)
+    where = dict(num_global=layer.num_global, key_offset=layer.key_offset)
+    with pool.guard, on_device(pool.device), deferred_interrupts():
+        backup = _snapshot(pool, pool.tables.buffer)
+        try:
+            with _on_stream(copy_stream):
+                out = torch.empty_like(expert_ids)  # the slot ids nobody reads
+                admit(tables, expert_ids, layer.global_to_local, out, layer=layer.index, **where)
+                copy_with_kernel(named, layer.store, tables.plan, layer.copy_groups)
+        except BaseException:
+            if copy_stream is not None:
+                torch.cuda.current_stream(pool.device).wait_stream(copy_stream)
+            if backup is not None:
+                _roll_back(pool, pool.tables, named, backup)
+            raise
+        pool.copies_pending = copy_stream is not None
 
 
 def _admit_and_copy(

@@ -239,6 +239,47 @@ class SlotPool:
             return self._started_by(device_prepare.passes(self, layer, topk_ids, overlap))
         return self._started_by(host_prepare.passes(self, layer, topk_ids))
 
+    def prefetch(self, layer: PoolLayer, expert_ids: torch.Tensor) -> None:
+        """Start loading experts a predictor expects ``layer`` to need (device mode).
+
+        Args:
+            layer: an attached layer, the only one of this pool.
+            expert_ids: ``[N]`` or ``[T, K]`` int32/int64 global ids on the pool's device, at
+                most ``num_slots`` of them (-1 and other ranks' experts are skipped).
+
+        Admission and copies run on the pool's copy stream, after what the current stream
+        holds, and the call returns at once: the copies overlap whatever the current stream
+        runs next (another layer's compute). The pool's next ``prepare`` or ``passes`` waits
+        for them (inside a CUDA graph: call it before the capture ends). Prefetched experts
+        count as used now for LRU; the counts go to `prefetch_stats`, not `stats`.
+
+        Raises:
+            ValueError: host mode, a pool shared by several layers (its copies could overwrite
+                slots another layer's kernels are reading), more ids than slots, bad ids.
+        """
+        if self.layers.get(layer.name) is not layer:
+            raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
+        if self.mode != "device":
+            raise ValueError("prefetch needs mode='device' (host mode plans on the host: it would sync)")
+        if len(self.layers) != 1:
+            raise ValueError(
+                f"prefetch needs a pool of one layer; this one serves {len(self.layers)}, and a prefetch "
+                "could overwrite slots another layer's kernels are still reading"
+            )
+        if isinstance(expert_ids, torch.Tensor) and expert_ids.dim() == 1:
+            expert_ids = expert_ids.reshape(1, -1)
+        check_topk_ids(expert_ids, self.device)
+        if expert_ids.numel() > self.num_slots:
+            raise ValueError(f"prefetch at most num_slots={self.num_slots} ids at once, got {expert_ids.numel()}")
+        device_prepare.prefetch(self, layer, expert_ids.reshape(1, -1).contiguous())
+        self._started = True
+
+    def prefetch_stats(self, layer: PoolLayer) -> CacheStats:
+        """Counts of ``layer``'s prefetches: ``hits`` already resident, ``misses`` copied."""
+        row = dict(zip(COUNTERS, self.tables.prefetched[layer.index].tolist(), strict=True))
+        raw, stored = self.layout.expert_bytes, layer.store.stored_expert_bytes
+        return CacheStats(**row, bytes_h2d=row["misses"] * raw, compressed_bytes_h2d=row["misses"] * stored)
+
     def copy_stream(self) -> torch.cuda.Stream | None:
         """The side stream device-mode copies overlap on (``passes(..., overlap=True)``);
         None on the CPU, where launches run in order."""

@@ -9,6 +9,7 @@ mode's rollback) is a single copy and ``torch.compile`` sees one mutated tensor:
     last_use       [S] int64               LRU recency stamp, -1 = never used (device mode)
     clock          [1] int64               next stamp base (device mode)
     counters       [layers, 6] int64       hits, misses, evictions, calls, invalid ids, overflows
+    prefetched     [layers, 6] int64       the same counts, of prefetches (device mode)
     plan           [1 + 4 S] int32         plan[0] = copies; entry r at 1 + 4 r: expert, slot, key, evicted key
     first_seen     [num_keys] int32        scratch of the large admission kernel, INT32_MAX between calls
     miss_stamp     [S] int64               scratch of the admission kernels
@@ -37,6 +38,7 @@ _FIELDS = (
     ("last_use", torch.int64, lambda k, s, n: s, -1),
     ("clock", torch.int64, lambda k, s, n: 1, 0),
     ("counters", torch.int64, lambda k, s, n: n * NUM_COUNTERS, 0),
+    ("prefetched", torch.int64, lambda k, s, n: n * NUM_COUNTERS, 0),
     ("plan", torch.int32, lambda k, s, n: 1 + len(PLAN_FIELDS) * s, 0),
     ("first_seen", torch.int32, lambda k, s, n: k, FIRST_SEEN_EMPTY),
     ("miss_stamp", torch.int64, lambda k, s, n: s, 0),
@@ -75,6 +77,7 @@ class SlotTables:
     last_use: torch.Tensor
     clock: torch.Tensor
     counters: torch.Tensor
+    prefetched: torch.Tensor
     plan: torch.Tensor
     first_seen: torch.Tensor
     miss_stamp: torch.Tensor
@@ -103,14 +106,15 @@ class SlotTables:
         for name, dtype, offset, count, _ in _spans(num_keys, num_slots, num_layers):
             fields[name] = buffer[offset : offset + count * dtype.itemsize].view(dtype)
         fields["counters"] = fields["counters"].view(num_layers, NUM_COUNTERS)
+        fields["prefetched"] = fields["prefetched"].view(num_layers, NUM_COUNTERS)
         return cls(buffer, num_keys, num_slots, num_layers, **fields)
 
     @property
     def committed(self) -> torch.Tensor:
-        """The bytes a call commits (the two tables, recency, clock, counters; they lead the
-        buffer): one copy of them is a snapshot to roll back to."""
-        name, dtype, offset, count, _ = _spans(self.num_keys, self.num_slots, self.num_layers)[4]
-        assert name == "counters"
+        """The bytes a call commits (the two tables, recency, clock, counters of calls and of
+        prefetches; they lead the buffer): one copy of them is a snapshot to roll back to."""
+        name, dtype, offset, count, _ = _spans(self.num_keys, self.num_slots, self.num_layers)[5]
+        assert name == "prefetched"
         return self.buffer[: offset + count * dtype.itemsize]
 
     def plan_entries(self) -> torch.Tensor:

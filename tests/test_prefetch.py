@@ -1,0 +1,144 @@
+"""Speculative prefetch (device mode): ``provider.prefetch(ids)`` admits and copies ahead.
+
+* a prefetch decides like a call: the pool after ``prefetch(x); prepare(y)`` equals the
+  pool after ``prepare(x); prepare(y)`` (slots, tables, slot bytes), and outputs equal the
+  full-weights reference whatever was prefetched;
+* its counts go to ``prefetch_stats``; ``stats`` counts only calls, whose hits now include
+  the right guesses;
+* misuse (host mode, a shared pool, more ids than slots, bad ids) raises and changes
+  nothing; a prefetch whose copy fails leaves the pool as before;
+* a CUDA graph of a decode step that prefetches replays equal to the eager step without
+  prefetches (GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import devices
+from helpers import random_topk, random_weights, same_bytes, slot_bytes, views
+
+import expertcache.device_prepare as device_prepare
+from expertcache import CachedWeightProvider, FullGPUProvider, SlotPool
+from expertcache.reference import moe_forward
+
+E, HIDDEN, INTER = 12, 16, 8
+
+
+def provider_on(device, weights, cache_size=4, **kwargs):
+    return CachedWeightProvider(weights, cache_size=cache_size, mode="device", device=device, **kwargs)
+
+
+def assert_serves_reference(provider, weights, ids, device, gen):
+    hidden = torch.randn(ids.shape[0], HIDDEN, generator=gen).to(device)
+    router = torch.rand(ids.shape, generator=gen).to(device)
+    result = provider.prepare(ids)
+    full = {name: tensor.to(device) for name, tensor in weights.items()}
+    assert torch.equal(
+        moe_forward(hidden, result.w1, result.w2, router, result.topk_ids),
+        moe_forward(hidden, full["w1"], full["w2"], router, ids),
+    )
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_prefetch_decides_like_a_call_and_counts_apart(device):
+    gen = torch.Generator().manual_seed(1)
+    weights = random_weights(E, HIDDEN, INTER, generator=gen)
+    ahead, called = provider_on(device, weights), provider_on(device, weights)
+    for _ in range(6):
+        guess = random_topk(1, 3, E, generator=gen).to(device)
+        ids = random_topk(2, 2, E, generator=gen).to(device)
+        calls, prefetch_misses = ahead.stats, ahead.prefetch_stats.misses
+        ahead.prefetch(guess.reshape(-1))
+        called.prepare(guess)
+        assert ahead.stats == calls  # a prefetch is not a call
+        assert ahead.prefetch_stats.calls == called.stats.calls // 2 + 1
+        resident_before = ahead.resident()
+        assert_serves_reference(ahead, weights, ids, device, gen)
+        called.prepare(ids)
+        assert views(ahead)[1:] == views(called)[1:]  # same resident set, slots, owners
+        assert same_bytes(slot_bytes(ahead.pool), slot_bytes(called.pool))
+        hits = len(set(ids.reshape(-1).tolist()) & resident_before)
+        assert ahead.stats.hits - calls.hits == hits  # the right guesses are hits
+        assert ahead.prefetch_stats.misses >= prefetch_misses
+    total = ahead.stats.misses + ahead.prefetch_stats.misses
+    assert total == called.stats.misses  # every copy counted once, in one of the two
+
+
+@pytest.mark.parametrize("device", devices())
+def test_prefetch_misuse_raises_and_changes_nothing(device):
+    gen = torch.Generator().manual_seed(2)
+    weights = random_weights(E, HIDDEN, INTER, generator=gen)
+    provider = provider_on(device, weights)
+    provider.prepare(torch.tensor([[0, 1]], device=device))
+    before = views(provider), slot_bytes(provider.pool), provider.prefetch_stats
+    with pytest.raises(ValueError, match="at most num_slots=4"):
+        provider.prefetch(torch.arange(5, device=device))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        provider.prefetch(torch.zeros(2, device=device))
+    with pytest.raises(ValueError, match="2-D"):
+        provider.prefetch(torch.zeros(1, 1, 2, dtype=torch.int64, device=device))
+    with pytest.raises(TypeError, match="must be a tensor"):
+        provider.prefetch([1, 2])
+    assert (views(provider), provider.prefetch_stats) == (before[0], before[2])
+    assert same_bytes(slot_bytes(provider.pool), before[1])
+    host = CachedWeightProvider(weights, cache_size=4, mode="host", device=device)
+    with pytest.raises(ValueError, match="mode='device'"):
+        host.prefetch(torch.tensor([1], device=device))
+    pool = SlotPool.for_weights(weights, 4, device=device, mode="device")
+    shared = [CachedWeightProvider(weights, pool=pool, layer=index) for index in range(2)]
+    with pytest.raises(ValueError, match="a pool of one layer"):
+        shared[0].prefetch(torch.tensor([1], device=device))
+    assert shared[0].resident() == frozenset() and host.resident() == frozenset()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_prefetch_whose_copy_fails_leaves_the_pool_as_before(monkeypatch, device):
+    gen = torch.Generator().manual_seed(3)
+    weights = random_weights(E, HIDDEN, INTER, generator=gen)
+    provider = provider_on(device, weights)
+    provider.prepare(torch.tensor([[0, 1], [2, 3]], device=device))  # full: the guesses evict
+    before = views(provider), slot_bytes(provider.pool), provider.prefetch_stats
+    real = device_prepare.copy_with_kernel
+
+    def copy_then_fail(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(device_prepare, "copy_with_kernel", copy_then_fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        provider.prefetch(torch.tensor([5, 6, 7], device=device))
+    monkeypatch.undo()
+    assert (views(provider), provider.prefetch_stats) == (before[0], before[2])
+    assert same_bytes(slot_bytes(provider.pool), before[1])
+    assert_serves_reference(provider, weights, torch.tensor([[5, 0], [6, 1]], device=device), device, gen)
+
+
+@pytest.mark.gpu
+def test_graphed_step_with_prefetch_replays_equal_to_eager_without():
+    from expertcache.decode_stack import DecodeStack, GraphedDecodeStep
+
+    gen = torch.Generator().manual_seed(4)
+    num_experts, hidden_size, top_k, tokens, layers = 16, 64, 4, 2, 3
+    weights = [random_weights(num_experts, hidden_size, 32, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
+    cached = [CachedWeightProvider(w, cache_size=8, mode="device", device="cuda") for w in weights]
+    full = [FullGPUProvider({n: t.cuda() for n, t in w.items()}) for w in weights]
+    stacks = [DecodeStack(p, hidden_size, num_experts, dtype=torch.bfloat16, device="cuda") for p in (cached, full)]
+
+    def routing() -> torch.Tensor:
+        return torch.stack([random_topk(tokens, top_k, num_experts, generator=gen) for _ in range(layers)]).cuda()
+
+    def guess(step_routing: torch.Tensor) -> torch.Tensor:  # half right, half wrong
+        return torch.cat([step_routing[..., :2], (step_routing[..., 2:] + 5) % num_experts], dim=-1)
+
+    hidden = torch.randn(tokens, hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    warm = routing().unsqueeze(0)
+    graph = GraphedDecodeStep(stacks[0], hidden, warm, guess(warm))
+    with pytest.raises(ValueError, match="prefetch exactly when"):
+        graph(hidden, routing())
+    for _ in range(4):
+        step_routing = routing()
+        replayed = graph(hidden, step_routing, guess(step_routing)).clone()
+        assert torch.equal(replayed, stacks[1].step(hidden, step_routing))
+    assert all(p.prefetch_stats.calls == 5 for p in cached[1:])  # the warm-up step and 4 replays
+    assert cached[0].prefetch_stats.calls == 0  # nothing runs before the first layer
