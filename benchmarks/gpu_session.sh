@@ -5,7 +5,7 @@
 #        apply batch prefill: the expert apply kernels, throughput against batch size, prefill;
 #        compression decode-compressed: exponent coding (ratio, decode-copy bursts, DFloat11 beside
 #        it when its wheel, dahuffman's and cupy import) and the decode step raw vs coded)
-#   sm-reads: how close kernels reading pinned memory get to the copy engine (bench_sm_reads.py)
+#   pytest: the test files in $TESTS (xdist workers); sm-reads: how close kernels reading pinned memory get to the copy engine (bench_sm_reads.py)
 #   graphed: GraphedGenerator's tests (graphs on the GPU); quant: bench_quant.py
 #   suite: the README's test command, the WHOLE suite (python3 -m pytest -q); suite-parallel: the
 #   same over pytest-xdist workers (its wheel and execnet's in .whl/); tests: only -m gpu
@@ -58,6 +58,9 @@ for step in $steps; do
       fi ;;
     sm-reads) timeout 240 python3 benchmarks/bench_sm_reads.py 2>&1 | tee "$OUT/bench_sm_reads.log" ;;
     apply) timeout 240 python3 benchmarks/bench_apply.py 2>&1 | tee "$OUT/bench_apply.log" ;;
+    pytest)  # chosen test files ($TESTS) over SUITE_WORKERS pytest-xdist workers: a change's GPU check
+      timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -n ${SUITE_WORKERS:-8} ${TESTS:-tests} 2>&1 \
+        | tee "$OUT/pytest.log" | tail -20 ;;
     batch) timeout ${BATCH_TIMEOUT:-420} python3 benchmarks/bench_batch.py ${BATCH_ARGS:-} 2>&1 | tee "$OUT/bench_batch.log" ;;
     prefill) timeout ${PREFILL_TIMEOUT:-300} python3 benchmarks/bench_batch.py ${PREFILL_ARGS:---prefill 1024 4096} 2>&1 | tee "$OUT/bench_prefill.log" ;;
     compression) timeout ${COMPRESSION_TIMEOUT:-240} python3 benchmarks/bench_compression.py ${COMPRESSION_ARGS:-} 2>&1 | tee "$OUT/bench_compression.log" ;;
