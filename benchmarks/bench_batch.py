@@ -304,9 +304,9 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
 
     ms = timed_ms(run, device) / steps
     delta = _stats_delta(total_stats(variant.providers), before)
+    prefetched = (prefetched_bytes(variant.providers) - prefetched_before) / steps  # before the check step
     check = check_output(step, batch, shape, routing[0], device, *extra(0))
     copied = variant.bytes_per_step if variant.bytes_per_step is not None else delta.bytes_h2d / steps
-    prefetched = (prefetched_bytes(variant.providers) - prefetched_before) / steps
     copied += prefetched  # the prefetches' copies cross PCIe too
     row = {
         "variant": variant.name, "cache": variant.cache, "batch": batch, "graph": variant.graph,
