@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import devices
-from helpers import random_topk, random_weights
+from helpers import cached_and_full_stacks, random_topk, random_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -281,17 +281,11 @@ def test_a_call_between_two_host_passes_makes_the_next_pass_read_again(monkeypat
 
 @pytest.mark.gpu
 def test_graphed_step_with_passes_replays_and_equals_eager():
-    from expertcache.decode_stack import DecodeStack, GraphedDecodeStep
+    from expertcache.decode_stack import GraphedDecodeStep
 
     gen = torch.Generator().manual_seed(11)
-    num_experts, hidden_size, top_k, tokens, layers = 16, 64, 4, 8, 3
-    weights = [random_weights(num_experts, hidden_size, 32, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
-    cached = [CachedWeightProvider(w, cache_size=6, mode="device", device="cuda") for w in weights]
-    full = [FullGPUProvider({n: t.cuda() for n, t in w.items()}) for w in weights]
-    stacks = [DecodeStack(p, hidden_size, num_experts, dtype=torch.bfloat16, device="cuda") for p in (cached, full)]
-
-    def routing() -> torch.Tensor:
-        return torch.stack([random_topk(tokens, top_k, num_experts, generator=gen) for _ in range(layers)]).cuda()
+    tokens, hidden_size = 8, 64
+    cached, stacks, routing = cached_and_full_stacks(gen, tokens=tokens, cache_size=6)
 
     hidden = torch.randn(tokens, hidden_size, generator=gen).to("cuda", torch.bfloat16)
     graph = GraphedDecodeStep(stacks[0], hidden, routing().unsqueeze(0))

@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import devices
-from helpers import random_topk, random_weights, same_bytes, slot_bytes, views
+from helpers import cached_and_full_stacks, random_topk, random_weights, same_bytes, slot_bytes, views
 
 import expertcache.device_prepare as device_prepare
-from expertcache import CachedWeightProvider, FullGPUProvider, SlotPool
+from expertcache import CachedWeightProvider, SlotPool
 from expertcache.reference import moe_forward
 
 E, HIDDEN, INTER = 12, 16, 8
@@ -116,22 +116,15 @@ def test_a_prefetch_whose_copy_fails_leaves_the_pool_as_before(monkeypatch, devi
 
 @pytest.mark.gpu
 def test_graphed_step_with_prefetch_replays_equal_to_eager_without():
-    from expertcache.decode_stack import DecodeStack, GraphedDecodeStep
+    from expertcache.decode_stack import GraphedDecodeStep
 
     gen = torch.Generator().manual_seed(4)
-    num_experts, hidden_size, top_k, tokens, layers = 16, 64, 4, 2, 3
-    weights = [random_weights(num_experts, hidden_size, 32, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
-    cached = [CachedWeightProvider(w, cache_size=8, mode="device", device="cuda") for w in weights]
-    full = [FullGPUProvider({n: t.cuda() for n, t in w.items()}) for w in weights]
-    stacks = [DecodeStack(p, hidden_size, num_experts, dtype=torch.bfloat16, device="cuda") for p in (cached, full)]
-
-    def routing() -> torch.Tensor:
-        return torch.stack([random_topk(tokens, top_k, num_experts, generator=gen) for _ in range(layers)]).cuda()
+    cached, stacks, routing = cached_and_full_stacks(gen, tokens=2, cache_size=8)
 
     def guess(step_routing: torch.Tensor) -> torch.Tensor:  # half right, half wrong
-        return torch.cat([step_routing[..., :2], (step_routing[..., 2:] + 5) % num_experts], dim=-1)
+        return torch.cat([step_routing[..., :2], (step_routing[..., 2:] + 5) % 16], dim=-1)
 
-    hidden = torch.randn(tokens, hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    hidden = torch.randn(2, 64, generator=gen).to("cuda", torch.bfloat16)
     warm = routing().unsqueeze(0)
     graph = GraphedDecodeStep(stacks[0], hidden, warm, guess(warm))
     with pytest.raises(ValueError, match="prefetch exactly when"):
