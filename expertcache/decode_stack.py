@@ -95,11 +95,14 @@ class DecodeStack:
             routing: ``[L, T, K]`` int expert ids per layer.
             prefetch: optional ``[L, T, P]`` predicted ids per layer: row ``l + 1`` goes to
                 ``providers[l + 1].prefetch`` once layer ``l``'s router has run (row 0 is
-                unused: nothing runs before the first layer).
+                unused: nothing runs before the first layer); ``T * P`` at most each cache's
+                slots, and layers 1 .. L-1 device-mode caches (checked before any layer runs).
 
         Returns:
             ``[T, H]`` activations after the last layer.
         """
+        if prefetch is not None:
+            self._check_prefetch(prefetch, routing)
         h = hidden
         for layer, provider in enumerate(self.providers):
             h = F.rms_norm(h + h @ self.attention[layer], (h.shape[-1],))
@@ -111,6 +114,18 @@ class DecodeStack:
             results = provider.passes(ids, overlap=True) if self.overlap else provider.passes(ids)
             h = h + self.apply(h, results, weights)
         return h
+
+    def _check_prefetch(self, prefetch: torch.Tensor, routing: torch.Tensor) -> None:
+        """Before any layer runs: predictions of the right shape, and caches that prefetch."""
+        if not isinstance(prefetch, torch.Tensor) or prefetch.dim() != 3 or prefetch.shape[:2] != routing.shape[:2]:
+            shape = tuple(prefetch.shape) if isinstance(prefetch, torch.Tensor) else type(prefetch).__name__
+            raise ValueError(f"prefetch must be [L, T, P] like routing's [L, T, K] {tuple(routing.shape)}, got {shape}")
+        for index, provider in enumerate(self.providers[1:], start=1):
+            if getattr(provider, "mode", None) != "device" or not hasattr(provider, "prefetch"):
+                raise ValueError(
+                    f"prefetch needs device-mode caches for layers 1..{self.num_layers - 1}; layer {index} is "
+                    f"{type(provider).__name__}{' in host mode' if getattr(provider, 'mode', None) == 'host' else ''}"
+                )
 
 
 class GraphedDecodeStep:
@@ -162,6 +177,12 @@ class GraphedDecodeStep:
         """
         if (prefetch is None) != (self.prefetch is None):
             raise ValueError("pass prefetch exactly when the graph was captured with warmup_prefetch")
+        for name, given, captured in (("hidden", hidden, self.hidden), ("routing", routing, self.routing),
+                                      ("prefetch", prefetch, self.prefetch)):  # fmt: skip
+            if given is not None and given.shape != captured.shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(given.shape)}; the graph was captured with {tuple(captured.shape)}"
+                )
         self.hidden.copy_(hidden)
         self.routing.copy_(routing)
         if self.prefetch is not None:

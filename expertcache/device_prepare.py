@@ -144,11 +144,14 @@ def _hits_then_misses(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> It
     hits = _admit_and_copy(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index,
                            pool.no_passes, 0, misses)  # fmt: skip
     pool.copies_pending = pool.copy_stream() is not None
+    pool.misses_owed = True  # their slots are promised: no prefetch may take them meanwhile
     try:
         yield hits
+        pool.misses_owed = False
         _after_copies(pool)  # the misses' slots are filled once the current stream has joined
         yield misses
     finally:
+        pool.misses_owed = False
         _after_copies(pool)  # the caller stopped early: join anyway
 
 
@@ -161,6 +164,7 @@ def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None
     named = dict(pool.tensors)
     where = dict(num_global=layer.num_global, key_offset=layer.key_offset)
     with pool.guard, on_device(pool.device), deferred_interrupts():
+        _after_copies(pool)  # an earlier prefetch's admission lands before this one's snapshot
         backup = _snapshot(pool, pool.tables.buffer)
         try:
             with _on_stream(copy_stream):
@@ -173,7 +177,14 @@ def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None
             if backup is not None:
                 _roll_back(pool, pool.tables, named, backup)
             raise
-        pool.copies_pending = copy_stream is not None
+        if copy_stream is not None:  # the copy stream reads them later: keep them alive until it is joined
+            pool.copies_pending, pool.copy_inputs = True, (expert_ids, out)
+
+
+def join_copies(pool: SlotPool) -> None:
+    """Make the current stream wait for what the pool's copy stream still runs (reads of the
+    tables, outside CUDA graphs, call this first)."""
+    _after_copies(pool)
 
 
 def _admit_and_copy(
@@ -200,6 +211,7 @@ def _admit_and_copy(
     where = dict(num_global=entry.num_global, key_offset=entry.key_offset)
     with owner.guard, on_device(owner.device), deferred_interrupts():
         _after_copies(owner)
+        owner.misses_owed = False  # a new call ends what an earlier one's slots held
         backup = _snapshot(owner, state)
         try:
             if passes is not None and pass_index == 0:
@@ -226,7 +238,7 @@ def _after_copies(pool: SlotPool) -> None:
     rewrites the plan those copies read. (A finished overlapped call has joined already.)"""
     if pool.copies_pending:
         torch.cuda.current_stream(pool.device).wait_stream(pool.copy_stream())
-        pool.copies_pending = False
+        pool.copies_pending, pool.copy_inputs = False, ()
 
 
 def _on_stream(stream: torch.cuda.Stream | None):

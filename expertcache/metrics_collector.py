@@ -25,7 +25,7 @@ _COUNTERS = (
     ("hits", "hits", "Distinct experts of a call already resident, summed over calls."),
     ("misses", "misses", "Distinct experts of a call copied in, summed over calls."),
     ("evictions", "evictions", "Resident experts dropped to make room."),
-    ("bytes_copied", "bytes_h2d", "Bytes copied from the host store into GPU slots."),
+    ("bytes_copied", "bytes_h2d", "Bytes calls copied from the host store into GPU slots (prefetches apart)."),
     (
         "compressed_bytes_copied",
         "compressed_bytes_h2d",

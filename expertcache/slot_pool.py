@@ -123,6 +123,10 @@ class SlotPool:
         self._copy_stream: torch.cuda.Stream | None = None
         #: an overlapped call's copies are on the copy stream, not yet joined (device_prepare)
         self.copies_pending = False
+        #: an overlapped call yielded its hits and still owes its misses pass (device_prepare)
+        self.misses_owed = False
+        #: what the copy stream still reads (a prefetch's ids): alive until the next call joins it
+        self.copy_inputs: tuple[torch.Tensor, ...] = ()
         self.policy = chosen  # claimed by the first attach, so a pool that never serves binds nothing
 
     @classmethod
@@ -245,17 +249,26 @@ class SlotPool:
         Args:
             layer: an attached layer, the only one of this pool.
             expert_ids: ``[N]`` or ``[T, K]`` int32/int64 global ids on the pool's device, at
-                most ``num_slots`` of them (-1 and other ranks' experts are skipped).
+                most ``num_slots`` of them, duplicates and -1 included (ids outside
+                ``[0, E_global)`` and other ranks' experts are skipped; the first count in
+                ``prefetch_stats.invalid_ids``). Leave it unchanged until the layer's next call.
 
         Admission and copies run on the pool's copy stream, after what the current stream
         holds, and the call returns at once: the copies overlap whatever the current stream
         runs next (another layer's compute). The pool's next ``prepare`` or ``passes`` waits
-        for them (inside a CUDA graph: call it before the capture ends). Prefetched experts
-        count as used now for LRU; the counts go to `prefetch_stats`, not `stats`.
+        for them (inside a CUDA graph: call it before the capture ends). Like a call, a
+        prefetch may overwrite the slots of the pool's last result: enqueue the kernels that
+        read it first. Prefetched experts count as used now for LRU; the counts go to
+        `prefetch_stats`, not `stats`.
 
         Raises:
+            TypeError / ValueError: ids of the wrong type, dtype, shape or device, more ids
+                than slots.
             ValueError: host mode, a pool shared by several layers (its copies could overwrite
-                slots another layer's kernels are reading), more ids than slots, bad ids.
+                slots another layer's kernels are reading).
+            RuntimeError: an overlapped call of this pool still owes its misses pass (its
+                slots are promised), or under ``torch.compile`` (a side stream).
+            In every case the pool is left as it was.
         """
         if self.layers.get(layer.name) is not layer:
             raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
@@ -268,14 +281,24 @@ class SlotPool:
             )
         if isinstance(expert_ids, torch.Tensor) and expert_ids.dim() == 1:
             expert_ids = expert_ids.reshape(1, -1)
-        check_topk_ids(expert_ids, self.device)
+        check_topk_ids(expert_ids, self.device, name="expert_ids")
         if expert_ids.numel() > self.num_slots:
             raise ValueError(f"prefetch at most num_slots={self.num_slots} ids at once, got {expert_ids.numel()}")
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "prefetch enqueues on a side stream and cannot be compiled; call it outside the compiled region"
+            )
+        if self.misses_owed:
+            raise RuntimeError(
+                "an overlapped call of this pool has yet to yield its misses pass, whose slots a prefetch "
+                "could overwrite: take that pass (or close its generator) first"
+            )
         device_prepare.prefetch(self, layer, expert_ids.reshape(1, -1).contiguous())
         self._started = True
 
     def prefetch_stats(self, layer: PoolLayer) -> CacheStats:
         """Counts of ``layer``'s prefetches: ``hits`` already resident, ``misses`` copied."""
+        self._settled()
         row = dict(zip(COUNTERS, self.tables.prefetched[layer.index].tolist(), strict=True))
         raw, stored = self.layout.expert_bytes, layer.store.stored_expert_bytes
         return CacheStats(**row, bytes_h2d=row["misses"] * raw, compressed_bytes_h2d=row["misses"] * stored)
@@ -296,8 +319,15 @@ class SlotPool:
 
     # -- read-only views (they read the device tables: call them outside CUDA graphs) -------
 
+    def _settled(self) -> SlotTables:
+        """The tables, once the current stream has joined copies still pending on the copy
+        stream (a prefetch's admission writes them there)."""
+        device_prepare.join_copies(self)
+        return self.tables
+
     def stats(self, layer: PoolLayer) -> CacheStats:
         """Exact counters of ``layer``."""
+        self._settled()
         row = dict(zip(COUNTERS, self.tables.counters[layer.index].tolist(), strict=True))
         raw, stored = self.layout.expert_bytes, layer.store.stored_expert_bytes
         return CacheStats(**row, bytes_h2d=row["misses"] * raw, compressed_bytes_h2d=row["misses"] * stored)
@@ -305,11 +335,11 @@ class SlotPool:
     def expert_to_slot(self, layer: PoolLayer) -> np.ndarray:
         """``[E_local]`` int32 copy: the slot of each of ``layer``'s experts, or -1."""
         start = layer.key_offset
-        return self.tables.expert_to_slot[start : start + layer.num_experts].cpu().numpy().copy()
+        return self._settled().expert_to_slot[start : start + layer.num_experts].cpu().numpy().copy()
 
     def expert_in(self, layer: PoolLayer, slot: int) -> int:
         """Local expert of ``layer`` held by ``slot``, or -1 (free, or another layer's)."""
-        key = int(self.tables.slot_to_key[slot])
+        key = int(self._settled().slot_to_key[slot])
         if key < 0:
             return -1
         owner, expert = self.owner_of(key)

@@ -59,16 +59,17 @@ def check_overlap(overlap: object) -> bool:
     return overlap
 
 
-def check_topk_ids(topk_ids: object, device: torch.device) -> torch.Tensor:
-    """Check ``topk_ids`` is an int32/int64 ``[T, K]`` tensor on ``device`` (metadata only)."""
+def check_topk_ids(topk_ids: object, device: torch.device, *, name: str = "topk_ids") -> torch.Tensor:
+    """Check ``topk_ids`` is an int32/int64 ``[T, K]`` tensor on ``device`` (metadata only);
+    errors call it ``name``."""
     if not isinstance(topk_ids, torch.Tensor):
-        raise TypeError(f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
+        raise TypeError(f"{name} must be a tensor, got {type(topk_ids).__name__}")
     if topk_ids.dtype not in INDEX_DTYPES:
-        raise TypeError(f"topk_ids must be int32 or int64 expert ids, got {topk_ids.dtype}")
+        raise TypeError(f"{name} must be int32 or int64 expert ids, got {topk_ids.dtype}")
     if topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be 2-D [T, K], got shape {tuple(topk_ids.shape)}")
+        raise ValueError(f"{name} must be 2-D [T, K], got shape {tuple(topk_ids.shape)}")
     if topk_ids.device != device:
-        raise ValueError(f"topk_ids is on {topk_ids.device}, but the expert weights are on {device}")
+        raise ValueError(f"{name} is on {topk_ids.device}, but the expert weights are on {device}")
     return topk_ids
 
 

@@ -74,7 +74,7 @@ def test_prefetch_misuse_raises_and_changes_nothing(device):
     before = views(provider), slot_bytes(provider.pool), provider.prefetch_stats
     with pytest.raises(ValueError, match="at most num_slots=4"):
         provider.prefetch(torch.arange(5, device=device))
-    with pytest.raises(TypeError, match="int32 or int64"):
+    with pytest.raises(TypeError, match="expert_ids must be int32 or int64"):
         provider.prefetch(torch.zeros(2, device=device))
     with pytest.raises(ValueError, match="2-D"):
         provider.prefetch(torch.zeros(1, 1, 2, dtype=torch.int64, device=device))
@@ -90,6 +90,47 @@ def test_prefetch_misuse_raises_and_changes_nothing(device):
     with pytest.raises(ValueError, match="a pool of one layer"):
         shared[0].prefetch(torch.tensor([1], device=device))
     assert shared[0].resident() == frozenset() and host.resident() == frozenset()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_no_prefetch_between_an_overlapped_calls_hits_and_misses(device):
+    """The misses pass's slots are promised when the hits pass is yielded: a prefetch then
+    raises and changes nothing, and the call's output still equals the reference."""
+    gen = torch.Generator().manual_seed(5)
+    weights = random_weights(E, HIDDEN, INTER, generator=gen)
+    provider = provider_on(device, weights)
+    provider.prepare(torch.tensor([[0, 1], [2, 3]], device=device))
+    ids = torch.tensor([[0, 5], [1, 6]], device=device)  # 2 hits, 2 misses
+    hidden, router = torch.randn(2, HIDDEN, generator=gen).to(device), torch.rand(2, 2, generator=gen).to(device)
+    full = {name: tensor.to(device) for name, tensor in weights.items()}
+    passes = provider.passes(ids, overlap=True)
+    hits = next(passes)
+    part = moe_forward(hidden, hits.w1, hits.w2, router, hits.topk_ids)
+    before = views(provider), provider.prefetch_stats
+    with pytest.raises(RuntimeError, match="yet to yield its misses pass"):
+        provider.prefetch(torch.tensor([8, 9, 10, 11], device=device))
+    assert (views(provider), provider.prefetch_stats) == before
+    misses = next(passes)
+    part = part + moe_forward(hidden, misses.w1, misses.w2, router, misses.topk_ids)
+    assert torch.allclose(part, moe_forward(hidden, full["w1"], full["w2"], router, ids), rtol=1e-5, atol=1e-6)
+    assert next(passes, None) is None
+    provider.prefetch(torch.tensor([8, 9], device=device))  # the call is over: allowed again
+    assert {8, 9} <= provider.resident()
+
+
+def test_a_stack_refuses_predictions_it_cannot_prefetch_before_running_a_layer():
+    from expertcache.decode_stack import DecodeStack
+
+    gen = torch.Generator().manual_seed(6)
+    weights = [random_weights(E, HIDDEN, INTER, generator=gen) for _ in range(2)]
+    host = [CachedWeightProvider(w, cache_size=4, mode="host", device="cpu") for w in weights]
+    stack = DecodeStack(host, HIDDEN, E, dtype=torch.float32, device="cpu")
+    routing = torch.stack([random_topk(1, 2, E, generator=gen) for _ in range(2)])
+    with pytest.raises(ValueError, match="layer 1 is CachedWeightProvider in host mode"):
+        stack.step(torch.randn(1, HIDDEN), routing, routing)
+    with pytest.raises(ValueError, match=r"prefetch must be \[L, T, P\]"):
+        stack.step(torch.randn(1, HIDDEN), routing, routing[0])
+    assert all(p.stats.calls == 0 for p in host)  # nothing ran
 
 
 @pytest.mark.parametrize("device", devices())
