@@ -558,6 +558,15 @@ def parse_args() -> argparse.Namespace:
                              "none given: no coded variant)")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, interpreted kernels")
     args = parser.parse_args()
+    if args.profile and not args.prefill:
+        parser.error("--profile profiles prefill forwards: give --prefill T too")
+    if args.prefill and args.prefetch != parser.get_default("prefetch"):
+        parser.error("--prefetch runs in decode mode only (a prefill forward has no next token to guess for)")
+    if not args.prefill:  # a decode run serves these only at its own fractions
+        for flag in ("coded", "prefetch"):
+            extra = sorted(set(getattr(args, flag)) - set(args.fractions))
+            if extra and getattr(args, flag) != parser.get_default(flag):
+                parser.error(f"--{flag} {' '.join(map(str, extra))} is not among --fractions {args.fractions}")
     if args.dry_run and args.batch_sizes == parser.get_default("batch_sizes"):
         args.batch_sizes = [1, 16]  # 16: several passes at 25%, and the grouped apply
     if args.dry_run:

@@ -148,11 +148,11 @@ def _hits_then_misses(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> It
     try:
         yield hits
         pool.misses_owed = False
-        _after_copies(pool)  # the misses' slots are filled once the current stream has joined
+        join_copies(pool)  # the misses' slots are filled once the current stream has joined
         yield misses
     finally:
         pool.misses_owed = False
-        _after_copies(pool)  # the caller stopped early: join anyway
+        join_copies(pool)  # the caller stopped early: join anyway
 
 
 def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None:
@@ -164,27 +164,13 @@ def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None
     named = dict(pool.tensors)
     where = dict(num_global=layer.num_global, key_offset=layer.key_offset)
     with pool.guard, on_device(pool.device), deferred_interrupts():
-        _after_copies(pool)  # an earlier prefetch's admission lands before this one's snapshot
-        backup = _snapshot(pool, pool.tables.buffer)
-        try:
-            with _on_stream(copy_stream):
-                out = torch.empty_like(expert_ids)  # the slot ids nobody reads
-                admit(tables, expert_ids, layer.global_to_local, out, layer=layer.index, **where)
-                copy_with_kernel(named, layer.store, tables.plan, layer.copy_groups)
-        except BaseException:
-            if copy_stream is not None:
-                torch.cuda.current_stream(pool.device).wait_stream(copy_stream)
-            if backup is not None:
-                _roll_back(pool, pool.tables, named, backup)
-            raise
+        join_copies(pool)  # an earlier prefetch's admission lands before this one's snapshot
+        with _undone_on_error(pool, pool.tables, named, copy_stream), _on_stream(copy_stream):
+            out = torch.empty_like(expert_ids)  # the slot ids nobody reads
+            admit(tables, expert_ids, layer.global_to_local, out, layer=layer.index, **where)
+            copy_with_kernel(named, layer.store, tables.plan, layer.copy_groups)
         if copy_stream is not None:  # the copy stream reads them later: keep them alive until it is joined
             pool.copies_pending, pool.copy_inputs = True, (expert_ids, out)
-
-
-def join_copies(pool: SlotPool) -> None:
-    """Make the current stream wait for what the pool's copy stream still runs (reads of the
-    tables, outside CUDA graphs, call this first)."""
-    _after_copies(pool)
 
 
 def _admit_and_copy(
@@ -210,10 +196,9 @@ def _admit_and_copy(
     passes = pass_of if pass_of.numel() else None
     where = dict(num_global=entry.num_global, key_offset=entry.key_offset)
     with owner.guard, on_device(owner.device), deferred_interrupts():
-        _after_copies(owner)
+        join_copies(owner)
         owner.misses_owed = False  # a new call ends what an earlier one's slots held
-        backup = _snapshot(owner, state)
-        try:
+        with _undone_on_error(owner, tables, named, copy_stream):
             if passes is not None and pass_index == 0:
                 assign_passes(tables, topk_ids, entry.global_to_local, passes, **where)
             admit(
@@ -222,20 +207,32 @@ def _admit_and_copy(
             )  # fmt: skip
             with _on_stream(copy_stream):
                 copy_with_kernel(named, entry.store, tables.plan, entry.copy_groups)
-        except BaseException:
-            if copy_stream is not None:  # a copy enqueued there must land before the slots are put back
-                torch.cuda.current_stream(owner.device).wait_stream(copy_stream)
-            if backup is not None:
-                _roll_back(owner, tables, named, backup)
-            raise
     return out
 
 
-def _after_copies(pool: SlotPool) -> None:
-    """Order this call after copies an overlapped call left on the pool's copy stream whose
-    misses pass was never asked for (an error in the caller's kernel, a generator held open,
-    another layer of a shared pool or another thread in between): this call's admission
-    rewrites the plan those copies read. (A finished overlapped call has joined already.)"""
+@contextlib.contextmanager
+def _undone_on_error(
+    pool: SlotPool, tables: SlotTables, slots: dict[str, torch.Tensor], copy_stream: torch.cuda.Stream | None
+) -> Iterator[None]:
+    """Snapshot the state; if the body raises, put back its slots and then the state."""
+    backup = _snapshot(pool, tables.buffer)
+    try:
+        yield
+    except BaseException:
+        if copy_stream is not None:  # a copy enqueued there must land before the slots are put back
+            torch.cuda.current_stream(pool.device).wait_stream(copy_stream)
+        if backup is not None:
+            _roll_back(pool, tables, slots, backup)
+        raise
+
+
+def join_copies(pool: SlotPool) -> None:
+    """Make the current stream wait for what the pool's copy stream still runs: copies an
+    overlapped call left there whose misses pass was never asked for (an error in the
+    caller's kernel, a generator held open, another layer of a shared pool or another thread
+    in between), or a prefetch. The next call's admission rewrites the plan those copies
+    read, and reads of the tables must see what they wrote. (A finished overlapped call has
+    joined already.)"""
     if pool.copies_pending:
         torch.cuda.current_stream(pool.device).wait_stream(pool.copy_stream())
         pool.copies_pending, pool.copy_inputs = False, ()
