@@ -417,7 +417,11 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
                        reference)  # fmt: skip
     save(rows)
     providers.clear()
-    for label, build in variant_builders(bench, args.fractions, args.coded, args.prefetch):
+    builders = variant_builders(bench, args.fractions, args.coded, args.prefetch)
+    if args.only:
+        builders = [(label, build) for label, build in builders if any(part in label for part in args.only)]
+        print(f"--only {' '.join(args.only)}: {', '.join(label for label, _ in builders)} (and resident)")
+    for label, build in builders:
         rows += (new := run_variant(bench, label, build, args, reference))
         save(new)
     return rows
@@ -556,8 +560,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--coded", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode over exponent-coded stores at these fractions (prefill: any adds it; "
                              "none given: no coded variant)")  # fmt: skip
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="decode: only the variants whose label contains one of these (e.g. 'global' "
+                             "'device 25%%'), besides the resident one")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, interpreted kernels")
     args = parser.parse_args()
+    if args.only and args.prefill:
+        parser.error("--only picks decode variants; a prefill run has its own fixed set")
     if args.profile and not args.prefill:
         parser.error("--profile profiles prefill forwards: give --prefill T too")
     if args.prefill and args.prefetch != parser.get_default("prefetch"):

@@ -104,7 +104,10 @@ def replay(streams: list[list[Forward]], slots_per_layer: int, budget: str) -> d
     for forwards in streams:
         layers = sorted({layer for forward in forwards for layer, _ in forward})
         if budget == "global":
-            shared = SlotTable(slots_per_layer * len(layers))
+            index = {layer: position for position, layer in enumerate(layers)}  # keys are (layer, expert)
+            shared = SlotTable(
+                slots_per_layer * len(layers), num_layers=len(layers), layer_of=lambda key, index=index: index[key[0]]
+            )
             tables = {layer: shared for layer in layers}
         else:
             tables = {layer: SlotTable(slots_per_layer) for layer in layers}

@@ -48,7 +48,8 @@ class CachedWeightProvider(ExpertWeightProvider):
         pin_budget_bytes: refuse, before pinning anything, when the store would exceed it.
         pool: a `SlotPool` shared with other layers (a global budget) instead of a private
             pool of ``cache_size`` slots; ``device``, ``policy`` and ``mode`` are the pool's
-            then (giving them raises).
+            then (giving them raises). Each layer keeps its share, ``num_slots // layers``,
+            and one call holds at most a share of experts (`expertcache.layer_shares`).
         layer: this layer's name in a shared pool (any hashable, unique per pool).
         mode: ``"host"`` (default: any policy, one host sync per call) or ``"device"``
             (GPU admission, LRU only, no sync: CUDA-graph capturable).
@@ -167,10 +168,11 @@ class CachedWeightProvider(ExpertWeightProvider):
 
         Raises:
             TypeError / ValueError / IndexError: bad ids (dtype, shape, device, range).
-            CacheCapacityError: more distinct local experts than slots.
+            CacheCapacityError: more distinct local experts than slots (than the share, in
+                a shared pool).
             ConcurrentUseError: another thread is inside this provider's pool.
             In every case the cache is left exactly as it was. Device mode checks ids on
-            the host only when ``T * K > num_slots`` (prefill); smaller calls never sync,
+            the host only when ``T * K`` exceeds the slots (the share; prefill); smaller calls never sync,
             and ids outside ``[0, E)`` come out -1, counted in ``stats.invalid_ids``.
         """
         return result_from_tensors(self.pool.tensors, self.pool.prepare(self.layer, topk_ids))

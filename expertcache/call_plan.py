@@ -10,8 +10,9 @@ Semantics of one call (the contract every implementation of the cache follows):
 * a resident key is a hit;
 * the misses, in that order, take the free slots (lowest first), then the slots of victims
   that the policy chooses among resident keys this call does not use (so an expert loaded
-  earlier in the call is never evicted by a later miss of the same call); every choice is
-  made on the state before the call;
+  earlier in the call is never evicted by a later miss of the same call) and, in a pool
+  shared by several layers, not of another layer holding no more than its share
+  (`expertcache.layer_shares`); every choice is made on the state before the call;
 * planning tells the policy only that the call begins (``begin_forward`` when it starts a
   forward pass, ``begin_call``); once the plan's work is done, `tell_policy` reports it in
   order (per key ``on_hit``, or ``on_evict(victim)`` if it took one then ``on_miss``;
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from expertcache.layer_shares import LayerFloor, Protected
 from expertcache.policies import EvictionPolicy, Key
 
 
@@ -64,6 +66,7 @@ def plan_call(
     free_slots: Callable[[], Iterator[int]],
     policy: EvictionPolicy,
     starts_forward: bool = False,
+    floor: LayerFloor | None = None,
 ) -> CallPlan:
     """Plan one call; the policy hears only that it begins (see the module docstring).
 
@@ -74,6 +77,7 @@ def plan_call(
         free_slots: an iterator over the free slots, lowest first (asked for only on a miss).
         policy: chooses victims (`EvictionPolicy.choose_victim` must not change it).
         starts_forward: the call is the first of a forward pass (``begin_forward``).
+        floor: in a pool shared by several layers, the other layers' shares (None: one layer).
 
     Raises:
         RuntimeError: the policy chose a key that is not resident, or one the call uses;
@@ -83,16 +87,15 @@ def plan_call(
         policy.begin_forward()
     policy.begin_call(tuple(keys))
     try:
-        return _plan(keys, slots, slot_of, free_slots, policy)
+        return _plan(keys, slots, slot_of, free_slots, policy, Protected(set(keys), floor))
     except BaseException:
         policy.abort_call()
         raise
 
 
-def _plan(keys, slots, slot_of, free_slots, policy) -> CallPlan:
+def _plan(keys, slots, slot_of, free_slots, policy, excluded: Protected) -> CallPlan:
     hits: list[Key] = []
     loads: list[Load] = []
-    excluded = set(keys)  # this call's keys and the victims chosen so far
     free: Iterator[int] | None = None
     for key, slot in zip(keys, slots, strict=True):
         if slot >= 0:

@@ -13,7 +13,8 @@ traces without a graph break. Outside a capture the op snapshots the state buffe
 overwrite and then the state (this path reads the plan on the host), so a failed call
 changes nothing.
 
-A ``prepare`` of more ids than slots could need more distinct experts than fit: eagerly
+A ``prepare`` of more ids than the pool's share (its slots, for one layer;
+`expertcache.layer_shares`) could need more distinct experts than a call may hold: eagerly
 it is checked on the host first (one sync), raising like host mode; inside a CUDA graph
 such a call is refused (the kernel alone would only flag it, in ``stats.overflows``).
 ``passes`` serves any call without a sync: `expertcache.passes.max_passes` passes, fixed
@@ -90,26 +91,26 @@ def register(pool: SlotPool) -> int:
 
 def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.Tensor:
     """Device-mode ``SlotPool.prepare`` (see the module docstring)."""
-    if min(topk_ids.numel(), layer.num_experts) > pool.num_slots:
+    if min(topk_ids.numel(), layer.num_experts) > pool.share:
         if torch.compiler.is_compiling():
             raise ValueError(
-                f"under torch.compile a device-mode call may hold at most num_slots={pool.num_slots} ids (got "
+                f"under torch.compile a device-mode call may hold at most {_capacity(pool)} ids (got "
                 f"{topk_ids.numel()}): a larger call is checked on the host, which a compiled graph cannot do"
             )
         if pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise ValueError(
-                f"a CUDA graph can hold a call of at most num_slots={pool.num_slots} ids (got "
-                f"{topk_ids.numel()}): only then can it never need more experts than there are slots"
+                f"a CUDA graph can hold a call of at most {_capacity(pool)} ids (got "
+                f"{topk_ids.numel()}): only then can it never need more experts than it may hold"
             )
         keys = local_keys(layer, topk_ids.cpu().numpy())  # prefill: a sync is cheap here
-        if len(keys) > pool.num_slots:
-            raise CacheCapacityError(len(keys), pool.num_slots)
+        if len(keys) > pool.share:
+            raise CacheCapacityError(len(keys), pool.share, layers=len(pool.layers))
     return _run(pool, layer, topk_ids.contiguous(), pool.no_passes, 0)
 
 
 def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False) -> Iterator[torch.Tensor]:
     """Device-mode ``SlotPool.passes``: slot ids of each pass (see the module docstring)."""
-    count = max_passes(topk_ids.numel(), layer.num_experts, pool.num_slots)
+    count = max_passes(topk_ids.numel(), layer.num_experts, pool.share)
     if count == 1 and overlap and _splits(pool, layer, topk_ids):
         yield from _hits_then_misses(pool, layer, topk_ids.contiguous())
         return
@@ -130,11 +131,15 @@ def _run(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Ten
     return run(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index)
 
 
+def _capacity(pool: SlotPool) -> str:
+    return f"num_slots={pool.num_slots}" if len(pool.layers) == 1 else f"share={pool.share} (num_slots // layers)"
+
+
 def _splits(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> bool:
     """Whether a one-pass call is served as its hits, then its misses: a decode-sized call on
-    a pool that cannot hold every expert of the layer (else nothing is missed once warm, and
-    the second pass would cost launches only), outside ``torch.compile`` (streams)."""
-    return topk_ids.numel() <= SMALL_CALL and pool.num_slots < layer.num_experts and not torch.compiler.is_compiling()
+    a pool whose share cannot hold every expert of the layer (else nothing is missed once
+    warm, and the second pass would cost launches only), outside ``torch.compile`` (streams)."""
+    return topk_ids.numel() <= SMALL_CALL and pool.share < layer.num_experts and not torch.compiler.is_compiling()
 
 
 def _hits_then_misses(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -203,7 +208,7 @@ def _admit_and_copy(
                 assign_passes(tables, topk_ids, entry.global_to_local, passes, **where)
             admit(
                 tables, topk_ids, entry.global_to_local, out, layer=entry.index, passes=passes, pass_index=pass_index,
-                miss_out=misses, **where,
+                miss_out=misses, key_layer=owner.key_layer, **where,
             )  # fmt: skip
             with _on_stream(copy_stream):
                 copy_with_kernel(named, entry.store, tables.plan, entry.copy_groups)

@@ -3,7 +3,7 @@
 One call, each step after the first able to fail without leaving a trace::
 
     read    ids and the committed state (tables, counters) to the host (one sync); range-check,
-            map global -> local, deduplicate into keys; refuse more keys than slots
+            map global -> local, deduplicate into keys; refuse more keys than the share
     plan    `call_plan.plan_call` on that snapshot: hits, loads, victims (the policy hears
             only that the call begins)
     move    the plan's copies (copy engine, or upload + copy kernel)        -+ rolled back
@@ -11,12 +11,12 @@ One call, each step after the first able to fail without leaving a trace::
             ids remapped to slots                                            -+
     tell    the policy hears of the call (`call_plan.tell_policy`)
 
-A call of more keys than slots runs as expert-group passes (`passes`, `expertcache.passes`),
-each of them such a call of its group's keys. Only pass 0 reads: a later pass plans on the
-table as the passes before it left it (their plans applied on the host), and snapshots the
-state for its rollback on the device, so the host plans and enqueues pass g+1 while the GPU
-still runs pass g. Should any other call begin on the pool between two passes (the
-generator yields), the next pass reads again.
+A call of more keys than the pool's share (its slots, for one layer) runs as expert-group
+passes (`passes`, `expertcache.passes`), each of them such a call of its group's keys. Only
+pass 0 reads: a later pass plans on the table as the passes before it left it (their plans
+applied on the host), and snapshots the state for its rollback on the device, so the host
+plans and enqueues pass g+1 while the GPU still runs pass g. Should any other call begin on
+the pool between two passes (the generator yields), the next pass reads again.
 
 ``SIGINT`` is held from plan to tell (`call_guards.deferred_interrupts`); an exception
 there restores the slots the plan overwrote (`mover.restore_slots`), the tables and
@@ -66,8 +66,8 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
     _check_not_compiling()
     with pool.guard, on_device(pool.device):
         keys, committed = _read_call(pool, layer, topk_ids)
-        if len(keys) > pool.num_slots:
-            raise CacheCapacityError(len(keys), pool.num_slots)
+        if len(keys) > pool.share:
+            raise CacheCapacityError(len(keys), pool.share, layers=len(pool.layers))
         table = _expert_to_slot(pool, committed)
         return _serve(pool, layer, topk_ids.contiguous(), keys, table, torch.from_numpy(committed))[0]
 
@@ -85,7 +85,7 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator
     with pool.guard, on_device(pool.device):
         keys, committed = _read_call(pool, layer, ids)
         table = _expert_to_slot(pool, committed)
-        groups = group_passes(keys, [bool(table[key] >= 0) for key in keys], pool.num_slots)
+        groups = group_passes(keys, [bool(table[key] >= 0) for key in keys], pool.share)
         if len(groups) == 1:
             only, _ = _serve(pool, layer, ids, keys, table, torch.from_numpy(committed))
     if len(groups) == 1:
@@ -131,6 +131,7 @@ def _serve(
         plan = plan_call(
             keys, table[keys].tolist(), slot_of=lambda key: int(table[cast(int, key)]),
             free_slots=lambda: _free_slots(table, pool.num_slots), policy=policy, starts_forward=starts_forward,
+            floor=pool.floor(layer, table),
         )  # fmt: skip
         try:
             _upload(pool, layer, plan)

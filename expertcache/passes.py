@@ -6,9 +6,10 @@ each pass is an ordinary call of the cache (plan, move, commit + remap) restrict
 group, and its result marks every other group's ids -1, so a fused-MoE kernel that skips
 -1 computes the pass's share and the engine sums the passes::
 
-    keys of the call (first-appearance order), resident or not, S slots:
-    pass 0      every resident key  +  the first S - hits missing keys
-    pass g > 0  the next S missing keys
+    the call's keys, resident ones first (each kind in first-appearance order), cut into
+    groups of S = the pool's share (`expertcache.layer_shares`: all slots, for one layer):
+    pass 0      the resident keys  +  the first S - hits missing keys
+    pass g > 0  the next S keys
 
 so resident experts are used before anything is copied, every expert is loaded at most
 once per call, and a pass never evicts a key of its own group (earlier groups are done
@@ -37,12 +38,12 @@ def group_passes(keys: Sequence[Key], resident: Sequence[bool], num_slots: int) 
 
     Args:
         keys: the call's distinct keys, in first-appearance order.
-        resident: whether each key holds a slot now (at most ``num_slots`` do).
-        num_slots: ``S``, slots one pass may use.
+        resident: whether each key holds a slot now.
+        num_slots: ``S``, keys one pass may hold (the pool's share).
 
     Returns:
-        ``ceil(len(keys) / S)`` groups (one, possibly empty, when everything fits); group 0
-        holds every resident key.
+        ``ceil(len(keys) / S)`` groups (one, possibly empty, when everything fits): the keys,
+        resident ones first, cut into groups of ``S``.
     """
     if num_slots < 1:
         raise ValueError(f"num_slots must be positive, got {num_slots}")
@@ -50,10 +51,11 @@ def group_passes(keys: Sequence[Key], resident: Sequence[bool], num_slots: int) 
         return [tuple(keys)]
     hits = sum(bool(flag) for flag in resident)
     groups: list[list[Key]] = [[] for _ in range(pass_count(len(keys), num_slots))]
-    miss_rank = 0
+    hit_rank = miss_rank = 0
     for key, flag in zip(keys, resident, strict=True):
         if flag:
-            groups[0].append(key)
+            groups[hit_rank // num_slots].append(key)
+            hit_rank += 1
         else:
             groups[(hits + miss_rank) // num_slots].append(key)
             miss_rank += 1
@@ -67,5 +69,6 @@ def pass_count(num_keys: int, num_slots: int) -> int:
 
 def max_passes(num_ids: int, num_experts: int, num_slots: int) -> int:
     """The most passes a call of ``num_ids`` ids (``T * K``) over ``num_experts`` local
-    experts can take with ``num_slots`` slots: what a CUDA graph of that shape captures."""
+    experts can take with passes of ``num_slots`` keys (the pool's share): what a CUDA graph
+    of that shape captures."""
     return pass_count(min(num_ids, num_experts), num_slots)

@@ -2,7 +2,8 @@
 and ``prepare``, the one pipeline both modes run.
 
 One pool serves one layer (a per-layer budget) or many (a global pool: layers own
-consecutive key ranges, hot layers take more slots). Everything is allocated once and never
+consecutive key ranges, hot layers borrow the slots cold ones leave idle, and every layer
+keeps its share, ``S // L``: `expertcache.layer_shares`). Everything is allocated once and never
 moves, so CUDA graphs and engines may keep the addresses::
 
     tensors  {name: [S, *shape]}         contiguous slot tensors, one allocation each: what kernels read
@@ -32,6 +33,7 @@ import torch
 from expertcache import device_prepare, host_prepare
 from expertcache.call_guards import SingleCaller
 from expertcache.kernels.slot_tables import COUNTERS, SlotTables
+from expertcache.layer_shares import LayerFloor, layer_share
 from expertcache.layout import ExpertLayout, layout_from_weights
 from expertcache.mover import MOVERS, POISON, CopyExpert, CopyGroup, DecodeGroup, copy_groups, copy_pairs
 from expertcache.policies import EvictionPolicy, claim_policy, make_policy
@@ -108,6 +110,9 @@ class SlotPool:
         self.layers: dict[Hashable, PoolLayer] = {}
         self.ordered_layers: list[PoolLayer] = []  # by index; their key ranges are consecutive
         self._key_offsets: list[int] = []
+        #: ``[num_keys]`` int32 on the device, the layer of each key (a pool of several layers)
+        self.key_layer: torch.Tensor | None = None
+        self._key_layer_host = np.zeros(0, dtype=np.int32)
         self._started = False
         self.guard = SingleCaller("this slot pool")
         #: How the copy engine moves one expert; replaced only to pace copies
@@ -153,6 +158,7 @@ class SlotPool:
             raise RuntimeError("attach every layer to a slot pool before its first prepare()")
         if name in self.layers:
             raise ValueError(f"layer {name!r} is already attached to this slot pool")
+        layer_share(self.num_slots, len(self.layers) + 1)  # raises: more layers than slots
         self.layout.check_compatible(store.layout, what=f"layer {name!r}")
         if self.device.type == "cuda" and not store.pinned:
             raise ValueError("a store served to a GPU pool must be pinned (build it with pin=True)")
@@ -172,7 +178,27 @@ class SlotPool:
         self.layers[name] = layer
         self.ordered_layers.append(layer)
         self._key_offsets.append(key_offset)
+        self._key_layer_host = np.concatenate(
+            [np.full(entry.num_experts, entry.index, dtype=np.int32) for entry in self.ordered_layers]
+        )
+        if len(self.layers) > 1:
+            with torch.inference_mode(False):
+                self.key_layer = torch.from_numpy(self._key_layer_host).to(self.device)
         return layer
+
+    @property
+    def share(self) -> int:
+        """Keys one call or pass may hold, and slots every attached layer keeps:
+        ``num_slots // layers`` (`expertcache.layer_shares`; all slots for one layer)."""
+        return self.tables.share
+
+    def floor(self, layer: PoolLayer, expert_to_slot: np.ndarray) -> LayerFloor | None:
+        """What a call of ``layer`` may not take from the other layers (None: a pool of one
+        layer), given ``expert_to_slot`` now (a host copy)."""
+        if len(self.layers) < 2:
+            return None
+        held = np.bincount(self._key_layer_host[expert_to_slot >= 0], minlength=len(self.layers))
+        return LayerFloor(layer.index, self.share, held.tolist(), lambda key: int(self._key_layer_host[key]))
 
     def owner_of(self, key: object) -> tuple[PoolLayer, int]:
         """``(layer, local expert)`` of a key."""
@@ -202,7 +228,8 @@ class SlotPool:
         Raises:
             TypeError / ValueError / IndexError: bad ids (dtype, shape, device; range in host
                 mode, and in device mode whenever the call is read on the host).
-            CacheCapacityError: more distinct local experts than slots.
+            CacheCapacityError: more distinct local experts than `share` (the slots, for a
+                pool of one layer).
             ConcurrentUseError: another thread is inside this pool.
             In every case the pool is left exactly as it was.
         """

@@ -3,15 +3,17 @@
 No tensors: ``admit`` plans a call with `expertcache.call_plan.plan_call` (the same code host
 mode runs) and applies it to two dicts, so simulated decisions are the runtime's. Slots are
 never freed, only reused, so the free slots are ``[filled, num_slots)`` and nothing is
-allocated per slot (a capacity of ``2**40`` costs what a capacity of 4 does).
+allocated per slot (a capacity of ``2**40`` costs what a capacity of 4 does). A table shared
+by several layers keeps each layer's share (`expertcache.layer_shares`), as a shared pool does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from expertcache.call_plan import CallPlan, plan_call, tell_policy
 from expertcache.errors import CacheCapacityError
+from expertcache.layer_shares import LayerFloor, layer_share
 from expertcache.passes import group_passes
 from expertcache.policies import EvictionPolicy, Key, claim_policy
 
@@ -22,16 +24,34 @@ class SlotTable:
     Args:
         num_slots: slots of the cache, at least 1.
         policy: a policy name or a fresh `EvictionPolicy` (an instance serves one table).
+        num_layers: layers sharing the table (at most ``num_slots``); each call is one layer's.
+        layer_of: the layer of a key, in ``[0, num_layers)`` (needed when ``num_layers > 1``).
 
     Invariants (checked by the tests after every call): ``slot_of`` and ``key_in`` are
     inverse on resident keys, at most ``num_slots`` keys are resident, and a slot never
     changes its number.
     """
 
-    def __init__(self, num_slots: int, *, policy: str | EvictionPolicy = "lru") -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        num_layers: int = 1,
+        layer_of: Callable[[Key], int] | None = None,
+    ) -> None:
         if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        if num_layers > 1 and layer_of is None:
+            raise ValueError("a table shared by several layers needs layer_of (the layer of a key)")
         self.num_slots = num_slots
+        #: slots one call may hold, and that every layer keeps (`expertcache.layer_shares`)
+        self.share = layer_share(num_slots, num_layers)
+        self.num_layers = num_layers
+        self._layer_of = layer_of
+        self._held = [0] * num_layers  # slots each layer holds
         self.policy = claim_policy(policy, capacity=num_slots, owner=self)
         self._slot_of: dict[Key, int] = {}
         self._key_in: dict[int, Key] = {}
@@ -60,21 +80,32 @@ class SlotTable:
             keys: the call's keys in use order; repeats are allowed and ignored.
 
         Raises:
-            CacheCapacityError: more distinct keys than slots; nothing changes.
+            CacheCapacityError: more distinct keys than ``share`` (all slots for one layer);
+                nothing changes.
+            ValueError: keys of several layers in one call.
         """
         unique = list(dict.fromkeys(keys))
-        if len(unique) > self.num_slots:
-            raise CacheCapacityError(len(unique), self.num_slots)
+        if len(unique) > self.share:
+            raise CacheCapacityError(len(unique), self.share, layers=self.num_layers)
+        floor = None
+        if self.num_layers > 1 and unique:
+            layer = self._layer_of(unique[0])
+            if any(self._layer_of(key) != layer for key in unique):
+                raise ValueError("a call of a shared table holds the keys of one layer")
+            floor = LayerFloor(layer, self.share, self._held, self._layer_of)
         plan = plan_call(
             unique,
             [self._slot_of.get(key, -1) for key in unique],
             slot_of=self.slot_of,
             free_slots=self._free_slots,
             policy=self.policy,
+            floor=floor,
         )
         for load in plan.loads:
             if load.evicted is not None:
                 del self._slot_of[load.evicted]
+                self._count(load.evicted, -1)
+            self._count(load.key, +1)
             self._slot_of[load.key] = load.slot
             self._key_in[load.slot] = load.key
             self._filled = max(self._filled, load.slot + 1)
@@ -92,8 +123,12 @@ class SlotTable:
             state): one when the call fits.
         """
         unique = list(dict.fromkeys(keys))
-        groups = group_passes(unique, [key in self._slot_of for key in unique], self.num_slots)
+        groups = group_passes(unique, [key in self._slot_of for key in unique], self.share)
         return [self.admit(group) for group in groups]
+
+    def _count(self, key: Key, change: int) -> None:
+        if self.num_layers > 1:
+            self._held[self._layer_of(key)] += change
 
     def _free_slots(self) -> Iterator[int]:
         return iter(range(self._filled, self.num_slots))

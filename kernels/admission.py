@@ -8,7 +8,8 @@ of the host planner (`expertcache.planner`) with the LRU policy:
   recency order = calls in order, then first appearance within a call;
 * the r-th miss takes the r-th candidate slot in (last use, slot index) order, among slots
   that this call does not need; never-used slots carry last use -1, so free slots go
-  first, lowest index first.
+  first, lowest index first; in a pool of several layers (``key_layer``) a slot of another
+  layer holding no more than its share is no candidate (`expertcache.layer_shares`).
 
 It updates the tables (`expertcache.kernels.slot_tables`), writes the plan that the copy
 kernel executes, and the slot ids (through the shared `lookup_slots`). A call with more
@@ -47,6 +48,7 @@ def admit(
     passes: torch.Tensor | None = None,
     pass_index: int = 0,
     miss_out: torch.Tensor | None = None,
+    key_layer: torch.Tensor | None = None,
     num_warps: int | None = None,
 ) -> None:
     """Admit one call on the device: update ``tables``, write the plan and the slot ids.
@@ -69,6 +71,8 @@ def admit(
             ids and ``miss_out`` only the misses' (-1 elsewhere in each), so the hits can be
             computed while the misses are copied. Calls of at most ``SMALL_CALL`` ids
             without ``passes`` only.
+        key_layer: ``[num_keys]`` int32, the layer of every key, for a pool of several layers:
+            misses then respect the other layers' shares (``tables.share``); None: one layer.
         num_warps: of the launch (default: measured best for the kernel).
     """
     if not runs_on(topk_ids):
@@ -85,6 +89,10 @@ def admit(
         raise ValueError("passes must be an int32 tensor shaped like topk_ids")
     common["HAS_PASSES"] = passes is not None
     common["PDL"] = chains_launches(topk_ids.device)
+    common["HAS_SHARES"] = key_layer is not None
+    if key_layer is not None and (key_layer.dtype != torch.int32 or key_layer.shape != (tables.num_keys,)):
+        raise ValueError(f"key_layer must be an int32 tensor of num_keys={tables.num_keys} layers")
+    layers = key_layer if key_layer is not None else tables.slot_to_key  # any int32 pointer when unused
     pass_of = passes if passes is not None else out
     state = (tables.expert_to_slot, tables.slot_to_key, tables.last_use, tables.clock)
     if miss_out is not None:
@@ -95,15 +103,15 @@ def admit(
     if num_ids <= SMALL_CALL:
         _admit_small_kernel[(1,)](
             topk_ids, mapping, out, out if miss_out is None else miss_out, *state, tables.plan, tables.miss_stamp,
-            tables.counters,
-            pass_of, num_ids, num_global, num_slots, key_offset, layer, pass_index,
+            tables.counters, layers,
+            pass_of, num_ids, num_global, num_slots, key_offset, layer, tables.share, pass_index,
             BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=num_warps or 4, SPLIT=miss_out is not None,
             **common,
         )  # fmt: skip
     else:
         _admit_kernel[(1,)](
             topk_ids, mapping, out, *state, tables.first_seen, tables.plan, tables.miss_stamp, tables.counters,
-            pass_of, num_ids, num_global, num_slots, key_offset, layer, pass_index,
+            layers, pass_of, num_ids, num_global, num_slots, key_offset, layer, tables.share, pass_index,
             BLOCK_IDS=min(1024, triton.next_power_of_2(num_ids)),
             num_warps=num_warps or (4 if block_slots <= 1024 else 8), **common,
         )  # fmt: skip
@@ -121,6 +129,7 @@ def admit_torch(
     passes: torch.Tensor | None = None,
     pass_index: int = 0,
     miss_out: torch.Tensor | None = None,
+    key_layer: torch.Tensor | None = None,
 ) -> None:
     """Reference of `admit`, one key at a time in Python (same tables, plan and counters)."""
     flat = topk_ids.reshape(-1).tolist()
@@ -151,9 +160,11 @@ def admit_torch(
         else:
             misses.append((key, base + ordinal))
     order = sorted((int(last[s]), s) for s in range(tables.num_slots) if int(last[s]) < base)
+    victims = _victims(order, len(misses), s2k.tolist(), None if key_layer is None else key_layer.tolist(),
+                       layer, tables.share)  # fmt: skip
     entries = tables.plan_entries()
     evictions = 0
-    for rank, ((key, stamp), (_, victim)) in enumerate(zip(misses, order, strict=False)):
+    for rank, ((key, stamp), victim) in enumerate(zip(misses, victims, strict=False)):
         old = int(s2k[victim])
         if old >= 0:
             e2s[old] = -1
@@ -170,3 +181,26 @@ def admit_torch(
         slots = [-1 if key in missed else slot for key, slot in zip(keys, slots, strict=True)]
     out.copy_(torch.tensor(slots, dtype=out.dtype).view(out.shape))
     row += torch.tensor([len(unique) - len(misses), len(misses), evictions, calls, invalid, 0], device=row.device)
+
+
+def _victims(
+    order: list[tuple[int, int]],
+    count: int,
+    slot_to_key: list[int],
+    key_layer: list[int] | None,
+    layer: int,
+    share: int,
+) -> list[int]:
+    """The first ``count`` slots of ``order`` (coldest first) that a miss of ``layer`` may
+    take: a slot of another layer holding no more than ``share`` only once no other is left."""
+    owner = [-1 if key < 0 or key_layer is None else key_layer[key] for key in slot_to_key]
+    held = [owner.count(index) for index in range(max(owner, default=-1) + 1)]
+    left, chosen = [slot for _, slot in order], []
+    while len(chosen) < count and left:
+        allowed = [s for s in left if owner[s] in (-1, layer) or held[owner[s]] > share]
+        victim = (allowed or left)[0]
+        left.remove(victim)
+        if owner[victim] >= 0:
+            held[owner[victim]] -= 1
+        chosen.append(victim)
+    return chosen

@@ -5,7 +5,8 @@ which states their contract).
   registers; a hit costs two dependent loads (ids, expert -> slot). With ``SPLIT`` it writes
   the hits' and the misses' slot ids to two outputs (an overlapped call).
 * ``_admit_kernel`` (any size: prefill) deduplicates through a scatter-min table.
-* ``_place_misses`` (both): the r-th miss takes the r-th coldest evictable slot.
+* ``_place_misses`` (both): the r-th miss takes the r-th coldest evictable slot (in a pool
+  of several layers, not one of another layer at or below its share).
 
 On sm_90+ both let the copy kernel launch at once (``PDL``: programmatic dependent launch;
 the copy kernel waits for them on the GPU).
@@ -22,25 +23,50 @@ from expertcache.kernels.remap import lookup_slots
 from expertcache.kernels.slot_tables import FIRST_SEEN_EMPTY, add_counts
 
 _KEY_MAX = tl.constexpr(2**63 - 1)  # Triton kernels read only constexpr globals
+_MARK = tl.constexpr(2**62)  # above every (last use + 1, slot) pair: a guarded layer's slots sort last
 _EMPTY = tl.constexpr(FIRST_SEEN_EMPTY)
 
 
 @triton.jit
 def _place_misses(
-    expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_ptr, miss_stamp_ptr,
-    base, num_misses, num_slots, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr,
+    expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_ptr, miss_stamp_ptr, key_layer_ptr,
+    base, num_misses, num_slots, layer, share,
+    BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_SHARES: tl.constexpr,
 ):  # fmt: skip
-    """The r-th listed miss takes the r-th coldest evictable slot; returns evictions."""
+    """The r-th listed miss takes the r-th coldest evictable slot; returns evictions.
+
+    With ``HAS_SHARES`` (a pool of several layers) a slot of another layer that holds no
+    more than ``share`` slots is not evictable (`expertcache.layer_shares`). The coldest
+    slot is taken unless it is such a slot: then its whole layer is marked (sorted after
+    every unmarked slot; a layer's count only falls during a call, so the mark stays
+    right) and the search repeats.
+    """
     slots = tl.arange(0, BLOCK_SLOTS)
     in_pool = slots < num_slots
     last = tl.load(last_use_ptr + slots, mask=in_pool, other=base)
     evictable = in_pool & (last < base)  # this call's keys are stamped >= base
     # (last use + 1, slot) packed in one int64: free slots (last use -1) sort first
     order = tl.where(evictable, ((last + 1) << SLOT_BITS) | slots.to(tl.int64), _KEY_MAX)
+    owner = slots * 0 - 1  # layer of each slot's key, -1 = free (only with HAS_SHARES)
+    if HAS_SHARES:
+        held_key = tl.load(slot_to_key_ptr + slots, mask=in_pool, other=-1)
+        owner = tl.load(key_layer_ptr + held_key, mask=held_key >= 0, other=-1)
     num_evictions = 0
     for rank in range(0, num_misses):
         coldest = tl.min(order, axis=0)
         victim = (coldest & ((1 << SLOT_BITS) - 1)).to(tl.int32)
+        if HAS_SHARES:
+            victim_layer = tl.sum(tl.where(slots == victim, owner, 0), axis=0)
+            held = tl.sum((owner == victim_layer).to(tl.int32), axis=0)
+            guarded = (victim_layer >= 0) & (victim_layer != layer) & (held <= share) & (coldest < _MARK)
+            while guarded:
+                order = tl.where((owner == victim_layer) & (order != _KEY_MAX), order | _MARK, order)
+                coldest = tl.min(order, axis=0)
+                victim = (coldest & ((1 << SLOT_BITS) - 1)).to(tl.int32)
+                victim_layer = tl.sum(tl.where(slots == victim, owner, 0), axis=0)
+                held = tl.sum((owner == victim_layer).to(tl.int32), axis=0)
+                guarded = (victim_layer >= 0) & (victim_layer != layer) & (held <= share) & (coldest < _MARK)
+            owner = tl.where(slots == victim, layer, owner)
         order = tl.where(order == coldest, _KEY_MAX, order)
         old_key = tl.load(slot_to_key_ptr + victim)
         if old_key >= 0:
@@ -66,9 +92,9 @@ def _list_miss(plan_ptr, miss_stamp_ptr, miss_ordinal, local, key, stamp, is_mis
 def _admit_small_kernel(
     ids_ptr, global_to_local_ptr, out_ptr, miss_out_ptr,
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, plan_ptr, miss_stamp_ptr, counters_ptr,
-    pass_ptr, num_ids, num_global, num_slots, key_offset, layer, pass_index,
+    key_layer_ptr, pass_ptr, num_ids, num_global, num_slots, key_offset, layer, share, pass_index,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
-    HAS_PASSES: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_PASSES: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, HAS_SHARES: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # the copy kernel may launch now; it waits for this kernel on the GPU
         gdc_launch_dependents()
@@ -97,8 +123,8 @@ def _admit_small_kernel(
         if num_misses > 0:
             tl.debug_barrier()
             num_evictions = _place_misses(
-                expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_ptr, miss_stamp_ptr,
-                base, num_misses, num_slots, BLOCK_SLOTS, SLOT_BITS,
+                expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_ptr, miss_stamp_ptr, key_layer_ptr,
+                base, num_misses, num_slots, layer, share, BLOCK_SLOTS, SLOT_BITS, HAS_SHARES,
             )  # fmt: skip
             tl.debug_barrier()
             # every position of a missed key (first or repeat) takes its first's slot
@@ -127,9 +153,9 @@ def _admit_small_kernel(
 def _admit_kernel(
     ids_ptr, global_to_local_ptr, out_ptr,
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, first_seen_ptr, plan_ptr, miss_stamp_ptr,
-    counters_ptr, pass_ptr, num_ids, num_global, num_slots, key_offset, layer, pass_index,
+    counters_ptr, key_layer_ptr, pass_ptr, num_ids, num_global, num_slots, key_offset, layer, share, pass_index,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
-    HAS_PASSES: tl.constexpr, PDL: tl.constexpr,
+    HAS_PASSES: tl.constexpr, PDL: tl.constexpr, HAS_SHARES: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # the copy kernel may launch now; it waits for this kernel on the GPU
         gdc_launch_dependents()
@@ -186,8 +212,8 @@ def _admit_kernel(
     num_evictions = 0
     if fits and num_misses > 0:
         num_evictions = _place_misses(
-            expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_ptr, miss_stamp_ptr,
-            base, num_misses, num_slots, BLOCK_SLOTS, SLOT_BITS,
+            expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_ptr, miss_stamp_ptr, key_layer_ptr,
+            base, num_misses, num_slots, layer, share, BLOCK_SLOTS, SLOT_BITS, HAS_SHARES,
         )  # fmt: skip
     tl.debug_barrier()
 

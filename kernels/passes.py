@@ -4,7 +4,8 @@
 with no host sync (a CUDA graph captures it)::
 
     keys in first-appearance order (scatter-min of positions), hits = resident keys
-    pass(key) = 0 for a hit, (hits + r) // S for the r-th missing key
+    pass(key) = r // S for the r-th hit, (hits + r) // S for the r-th missing key
+                (S = the pool's share: `expertcache.layer_shares`)
     pass[position] = pass(its key); 0 for ids that are not local or not valid
 
 the same groups as `expertcache.passes.group_passes` on the host. Each pass then runs the
@@ -37,7 +38,7 @@ def in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES: tl.constexpr
 @triton.jit
 def _assign_passes_kernel(
     ids_ptr, global_to_local_ptr, expert_to_slot_ptr, first_seen_ptr, pass_ptr,
-    num_ids, num_global, num_slots, key_offset, BLOCK_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
+    num_ids, num_global, share, key_offset, BLOCK_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     # 1: the first position of every key
     for start in range(0, num_ids, BLOCK_IDS):
@@ -58,8 +59,9 @@ def _assign_passes_kernel(
         )
         first = tl.load(first_seen_ptr + key, mask=is_local, other=-1)
         num_hits += tl.sum((is_local & (first == positions) & (slot >= 0)).to(tl.int32), axis=0)
-    # 3: the pass of every first appearance, misses ranked in first-appearance order
+    # 3: the pass of every first appearance, hits and misses each ranked in first-appearance order
     num_misses = 0
+    hits_before = 0
     for start in range(0, num_ids, BLOCK_IDS):
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
@@ -69,9 +71,13 @@ def _assign_passes_kernel(
         first = tl.load(first_seen_ptr + key, mask=is_local, other=-1)
         is_first = is_local & (first == positions)
         is_miss = is_first & (slot < 0)
+        is_hit = is_first & (slot >= 0)
         rank = num_misses + tl.cumsum(is_miss.to(tl.int32), axis=0) - 1
-        tl.store(pass_ptr + positions, tl.where(is_miss, (num_hits + rank) // num_slots, 0), mask=is_first)
+        hit_rank = hits_before + tl.cumsum(is_hit.to(tl.int32), axis=0) - 1
+        group = tl.where(is_miss, (num_hits + rank) // share, hit_rank // share)
+        tl.store(pass_ptr + positions, group, mask=is_first)
         num_misses += tl.sum(is_miss.to(tl.int32), axis=0)
+        hits_before += tl.sum(is_hit.to(tl.int32), axis=0)
     tl.debug_barrier()
     # 4: every position takes its first appearance's pass (a first keeps its own value)
     for start in range(0, num_ids, BLOCK_IDS):
@@ -121,7 +127,7 @@ def assign_passes(
     has_map = global_to_local is not None
     _assign_passes_kernel[(1,)](
         topk_ids, global_to_local if has_map else topk_ids, tables.expert_to_slot, tables.first_seen, out,
-        topk_ids.numel(), num_global, tables.num_slots, key_offset,
+        topk_ids.numel(), num_global, tables.share, key_offset,
         BLOCK_IDS=min(1024, max(16, triton.next_power_of_2(topk_ids.numel()))), HAS_MAP=has_map, num_warps=4,
     )  # fmt: skip
 
@@ -146,7 +152,7 @@ def assign_passes_torch(
         keys.append(None if local < 0 else key_offset + local)
     unique = list(dict.fromkeys(key for key in keys if key is not None))
     table = tables.expert_to_slot.tolist()
-    groups = group_passes(unique, [table[key] >= 0 for key in unique], tables.num_slots)
+    groups = group_passes(unique, [table[key] >= 0 for key in unique], tables.share)
     group_of = {key: index for index, group in enumerate(groups) for key in group}
     passes = [0 if key is None else group_of[key] for key in keys]
     out.copy_(torch.tensor(passes, dtype=torch.int32).view(out.shape))

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from expertcache.layer_shares import layer_share
+
 COUNTERS = ("hits", "misses", "evictions", "calls", "invalid_ids", "overflows")
 NUM_COUNTERS = len(COUNTERS)
 PLAN_FIELDS = ("expert", "slot", "key", "evicted")
@@ -108,6 +110,11 @@ class SlotTables:
         fields["counters"] = fields["counters"].view(num_layers, NUM_COUNTERS)
         fields["prefetched"] = fields["prefetched"].view(num_layers, NUM_COUNTERS)
         return cls(buffer, num_keys, num_slots, num_layers, **fields)
+
+    @property
+    def share(self) -> int:
+        """Keys one pass may hold, and slots every layer keeps (`expertcache.layer_shares`)."""
+        return layer_share(self.num_slots, self.num_layers)
 
     @property
     def committed(self) -> torch.Tensor:

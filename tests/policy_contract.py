@@ -137,7 +137,10 @@ class PolicyContract:
             expected.misses,
             expected.evictions,
         )
-        expected = replay(shared_calls, policy=self.policy_name, capacity=5, forward_starts=range(0, 60, 2))
+        expected = replay(
+            shared_calls, policy=self.policy_name, capacity=5, forward_starts=range(0, 60, 2), num_layers=2,
+            layer_of=lambda key: key // 6,
+        )  # fmt: skip
         total = layers[0].stats + layers[1].stats
         assert (total.hits, total.misses, total.evictions) == (
             expected.hits,

@@ -35,7 +35,7 @@ def read_entry(tensor: torch.Tensor, entry: int) -> torch.Tensor:
 def providers(device: str, mode: str):
     weights = random_weights(9, 16, 8, extras=True, generator=torch.Generator().manual_seed(1))
     private = CachedWeightProvider(weights, cache_size=4, device=device, mode=mode)
-    pool = SlotPool.for_weights(weights, 7, device=device, mode=mode)
+    pool = SlotPool.for_weights(weights, 9, device=device, mode=mode)  # a share of 4 slots a layer
     shared = [CachedWeightProvider(weights, pool=pool, layer=index) for index in range(2)]
     return weights, [private, *shared]
 

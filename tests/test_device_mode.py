@@ -34,7 +34,7 @@ class HostVersusDevice(RuleBasedStateMachine):
         expert_map = torch.full((num_global,), -1, dtype=torch.int32)
         expert_map[torch.tensor(local_ids)] = torch.arange(num_local, dtype=torch.int32)
         self.num_global = num_global
-        slots = data.draw(st.integers(1, num_local * num_layers), label="slots")
+        slots = data.draw(st.integers(num_layers, num_local * num_layers), label="slots")
         weights = [random_weights(num_local, 8, 4, extras=True) for _ in range(num_layers)]
         self.pools = [SlotPool.for_weights(weights[0], slots, device=self.device, mode=mode) for mode in MODES]
         self.layers = [
@@ -58,19 +58,19 @@ class HostVersusDevice(RuleBasedStateMachine):
     def call(self, data):
         STEPS["count"] += 1
         layer = data.draw(st.integers(0, len(self.layers[0]) - 1), label="layer")
-        num_slots = self.pools[0].num_slots
-        tokens = data.draw(st.integers(1, min(3, num_slots)), label="tokens")
-        top_k = data.draw(st.integers(1, max(1, min(self.num_global, num_slots // tokens))), label="top_k")
+        share = self.pools[0].share
+        tokens = data.draw(st.integers(1, min(3, share)), label="tokens")
+        top_k = data.draw(st.integers(1, max(1, min(self.num_global, share // tokens))), label="top_k")
         seed = data.draw(st.integers(0, 2**16), label="seed")
         ids = random_topk(tokens, top_k, self.num_global, generator=torch.Generator().manual_seed(seed))
         self._both(layer, ids.to(self.device, torch.int32 if seed % 2 else torch.int64))
 
     @rule(data=st.data())
     def prefill_call(self, data):
-        """More ids than slots (T * K > S): read on the host in both modes, may not fit."""
+        """More ids than the share (T * K > S // layers): read on the host in both modes, may not fit."""
         STEPS["count"] += 1
         layer = data.draw(st.integers(0, len(self.layers[0]) - 1), label="layer")
-        tokens = self.pools[0].num_slots + data.draw(st.integers(1, 4), label="extra tokens")
+        tokens = self.pools[0].share + data.draw(st.integers(1, 4), label="extra tokens")
         seed = data.draw(st.integers(0, 2**16), label="seed")
         ids = random_topk(tokens, 1, self.num_global, generator=torch.Generator().manual_seed(seed))
         self._both(layer, ids.to(self.device))
@@ -81,7 +81,7 @@ class HostVersusDevice(RuleBasedStateMachine):
         STEPS["count"] += 1
         layer = data.draw(st.integers(0, len(self.layers[0]) - 1), label="layer")
         distinct = data.draw(
-            st.lists(st.integers(0, self.num_global - 1), min_size=1, max_size=self.pools[0].num_slots, unique=True)
+            st.lists(st.integers(0, self.num_global - 1), min_size=1, max_size=self.pools[0].share, unique=True)
         )
         ids = data.draw(st.lists(st.sampled_from(distinct), min_size=65, max_size=90), label="ids")
         self._both(layer, torch.tensor(ids + distinct, device=self.device).reshape(-1, 1))

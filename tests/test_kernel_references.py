@@ -45,9 +45,11 @@ def _call(gen: torch.Generator, num_global: int, num_slots: int) -> torch.Tensor
 @pytest.mark.parametrize("with_map", [False, True], ids=["identity", "expert map"])
 @pytest.mark.parametrize("num_slots", [3, 5])
 @pytest.mark.parametrize("split", [False, True], ids=["one out", "hits and misses apart"])
-def test_admission_equals_reference(device, with_map, num_slots, split):
+@pytest.mark.parametrize("shares", [False, True], ids=["one LRU", "layer shares"])
+def test_admission_equals_reference(device, with_map, num_slots, split, shares):
     """Two layers share the tables (key offsets 0 and 6); 40 random calls, state compared after
-    each; ``split``: decode-sized calls write hits and misses to two outputs."""
+    each; ``split``: decode-sized calls write hits and misses to two outputs; ``shares``: the
+    layers keep their shares (calls above a share but within the slots take the fallback)."""
     gen = torch.Generator().manual_seed(num_slots + 10 * with_map)
     num_local, num_global = 6, 9
     mapping = torch.full((num_global,), -1, dtype=torch.int32)
@@ -61,6 +63,8 @@ def test_admission_equals_reference(device, with_map, num_slots, split):
         outs = [torch.full_like(ids, -7) for _ in range(2)]
         kwargs = dict(num_global=num_global if with_map else num_local, key_offset=num_local * layer, layer=layer)
         misses = [torch.full_like(ids, -7) for _ in range(2)] if split and ids.numel() <= 64 else [None, None]
+        if shares:
+            kwargs["key_layer"] = torch.arange(2, dtype=torch.int32, device=device).repeat_interleave(num_local)
         admit(kernel, ids, g2l, outs[0], miss_out=misses[0], **kwargs)
         admit_torch(reference, ids, g2l, outs[1], miss_out=misses[1], **kwargs)
         assert torch.equal(outs[0], outs[1]), step

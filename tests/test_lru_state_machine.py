@@ -6,7 +6,9 @@ calls, bad calls, over-full calls and calls whose copy fails half-way (a failing
 a KeyboardInterrupt, after the first tensor of the first miss). After every step the
 provider's public views must agree with the model: hits, misses, victims and the slot of
 every expert; the two tables are inverse; at most ``num_slots`` experts are resident; slot
-buffers never move; a failed call leaves the slot bytes exactly as they were.
+buffers never move; a failed call leaves the slot bytes exactly as they were. With several
+layers the model keeps every layer's share (``num_slots // layers``: a victim is never
+another layer's key while that layer holds no more than its share).
 """
 
 from __future__ import annotations
@@ -28,12 +30,18 @@ STEPS = {"count": 0}
 class LRUModel:
     """The specification in a dozen lines: OrderedDict of key -> slot, least recent first."""
 
-    def __init__(self, num_slots: int) -> None:
-        self.order: OrderedDict = OrderedDict()
+    def __init__(self, num_slots: int, num_layers: int) -> None:
+        self.order: OrderedDict = OrderedDict()  # (layer, expert) -> slot
         self.free = list(range(num_slots))
+        self.share = num_slots // num_layers
+
+    def evictable(self, key, layer: int, unique: list) -> bool:
+        held = sum(other[0] == key[0] for other in self.order)
+        return key not in unique and (key[0] == layer or held > self.share)
 
     def call(self, keys: list) -> tuple[list, list, list]:
         unique = list(dict.fromkeys(keys))
+        layer = unique[0][0]
         hits, misses, victims = [], [], []
         for key in unique:
             if key in self.order:
@@ -44,7 +52,7 @@ class LRUModel:
                 slot = min(self.free)
                 self.free.remove(slot)
             else:
-                victim = next(k for k in self.order if k not in unique)
+                victim = next(k for k in self.order if self.evictable(k, layer, unique))
                 slot = self.order.pop(victim)
                 victims.append(victim)
             self.order[key] = slot
@@ -60,8 +68,8 @@ class SharedPoolLRU(RuleBasedStateMachine):
     )
     def build(self, num_experts, num_layers, data):
         self.num_experts = num_experts
-        num_slots = data.draw(st.integers(1, num_experts * num_layers), label="num_slots")
-        self.model = LRUModel(num_slots)
+        num_slots = data.draw(st.integers(num_layers, num_experts * num_layers), label="num_slots")
+        self.model = LRUModel(num_slots, num_layers)
         self.weights = random_weights(num_experts, 8, 4, extras=True)
         self.pool = SlotPool.for_weights(self.weights, num_slots, device="cpu")
         self.layers = [CachedWeightProvider(self.weights, pool=self.pool, layer=index) for index in range(num_layers)]
@@ -72,7 +80,7 @@ class SharedPoolLRU(RuleBasedStateMachine):
 
     def _draw_call(self, data):
         layer = data.draw(st.integers(0, len(self.layers) - 1), label="layer")
-        capacity = min(self.num_experts, self.model.free.__len__() + len(self.model.order))
+        capacity = min(self.num_experts, self.pool.share)
         experts = data.draw(
             st.lists(st.integers(0, self.num_experts - 1), min_size=1, max_size=capacity, unique=True),
             label="experts",
@@ -129,14 +137,15 @@ class SharedPoolLRU(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def overfull_call(self, data):
-        """More distinct experts than slots: a clear error and no change."""
+        """More distinct experts than a layer's share (all slots, for one layer): a clear
+        error and no change."""
         STEPS["count"] += 1
-        num_slots = self.pool.num_slots
-        if self.num_experts <= num_slots:
+        share = self.pool.share
+        if self.num_experts <= share:
             return
-        experts = data.draw(st.permutations(range(self.num_experts)))[: num_slots + 1]
+        experts = data.draw(st.permutations(range(self.num_experts)))[: share + 1]
         before = self._snapshot()
-        with pytest.raises(CacheCapacityError, match=f"needs {num_slots + 1} distinct"):
+        with pytest.raises(CacheCapacityError, match=f"needs {share + 1} distinct"):
             self.layers[0].prepare(torch.tensor([experts]))
         assert self._snapshot() == before
 

@@ -33,7 +33,7 @@ def _value(samples, name, layer, **labels):
 def test_scrape_equals_stats_per_layer():
     generator = torch.Generator().manual_seed(3)
     weights = random_weights(8, 16, 8, generator=generator)
-    pool = SlotPool.for_weights(weights, 6, device="cpu")
+    pool = SlotPool.for_weights(weights, 12, device="cpu")  # a share of 6: a call of 3 x 2 ids fits
     layers = {
         "0": TimedProvider(CachedWeightProvider(weights, pool=pool, layer=0)),
         "1": CachedWeightProvider(weights, pool=pool, layer=1),

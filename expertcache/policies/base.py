@@ -21,8 +21,10 @@ Two optional signals carry what some policies need beyond one call:
   True``; Belady's MIN): the distinct keys of every call that will be admitted. Runtime
   caches never know the future, so such policies are for simulation only.
 
-``protected`` holds every key of the current call: a policy must never return one of them
-(the table checks). Keys are any hashables: an expert id, or ``(layer, expert)`` for a
+``protected`` holds every key of the current call (and, in a pool shared by several
+layers, every key of another layer holding no more than its share: `expertcache.layer_shares`;
+only ``key in protected`` may be asked): a policy must never return one of them (the table
+checks). Keys are any hashables: an expert id, or ``(layer, expert)`` for a
 pool shared by several layers.
 """
 

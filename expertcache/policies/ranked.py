@@ -108,8 +108,9 @@ class RankedPolicy(EvictionPolicy):
             self._victim_keys = list(self._keys)
             self._cursor = 0
         while True:
-            # Keys passed over are protected by this call or already evicted in it: both
-            # stay ineligible until the call ends, so the cursor never has to go back.
+            # Keys passed over are protected by this call, already evicted in it, or of a
+            # layer at its share (`expertcache.layer_shares`: a count only falls during a
+            # call): all stay ineligible until the call ends, so the cursor never goes back.
             while self._cursor < len(self._victim_order):
                 key = self._victim_keys[int(self._victim_order[self._cursor])]
                 if key in self._row and key not in protected:

@@ -8,19 +8,25 @@ capacity cannot be admitted at once; the runtime serves it in expert-group passe
 ``replay`` by default (``oversize="passes"``; such calls are counted in ``split_calls``),
 so simulated copies are the runtime's.
 
+A pool shared by several layers (``num_layers``, ``layer_of``) keeps each layer's share,
+``capacity // num_layers``, as the runtime's does (`expertcache.layer_shares`); a call is
+then oversize beyond the share.
+
 A cache that can hold every distinct key the calls use never evicts, whatever its policy, so
-a named policy runs on a table of ``min(capacity, distinct keys)`` slots: the memory a
-replay takes follows the calls, not the capacity asked for (``capacity=2**40`` is fine).
+a named policy runs on a table of ``min(capacity, max(distinct keys, layers x largest
+call))`` slots: the memory a replay takes follows the calls, not the capacity asked for
+(``capacity=2**40`` is fine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Literal
 
 from expertcache.errors import CacheCapacityError
+from expertcache.layer_shares import layer_share
 from expertcache.policies import EvictionPolicy, make_policy
 from expertcache.slot_table import SlotTable
 
@@ -69,6 +75,8 @@ def replay(
     capacity: int,
     forward_starts: Collection[int] | None = None,
     oversize: Literal["passes", "raise"] = "passes",
+    num_layers: int = 1,
+    layer_of: Callable[[Hashable], int] | None = None,
 ) -> ReplayResult:
     """Admit ``calls`` in order into a cache of ``capacity`` keys and count what happened.
 
@@ -79,9 +87,11 @@ def replay(
         capacity: keys the cache holds (slots), at least 1.
         forward_starts: indices into ``calls`` where a forward pass starts (Least-Stale
             ranks by it); default: every call is its own forward pass.
-        oversize: what to do with a call of more distinct keys than ``capacity``: serve it
-            in expert-group ``"passes"`` (as the runtime does), or ``"raise"``
-            `CacheCapacityError`.
+        oversize: what to do with a call of more distinct keys than the share (``capacity``
+            for one layer): serve it in expert-group ``"passes"`` (as the runtime does), or
+            ``"raise"`` `CacheCapacityError`.
+        num_layers: layers sharing the cache (at most ``capacity``); each call is one layer's.
+        layer_of: the layer of a key, in ``[0, num_layers)`` (needed for several layers).
 
     Returns:
         `ReplayResult` with hits, misses, evictions.
@@ -96,14 +106,16 @@ def replay(
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
     if isinstance(policy, EvictionPolicy) and policy.capacity != capacity:
         raise ValueError(f"the policy instance was built for capacity {policy.capacity}, the replay has {capacity}")
-    admitted, starts, split = _normalize(calls, capacity, forward_starts, oversize)
+    share = layer_share(capacity, num_layers)
+    admitted, starts, split = _normalize(calls, share, forward_starts, oversize, num_layers)
     if not isinstance(policy, EvictionPolicy):
-        # no eviction beyond this, and no call is larger, so the passes are the same
-        capacity = min(capacity, max(1, len(set().union(*admitted))))
+        # no eviction beyond this, and no call is larger than its share, so the passes are the same
+        largest = max((len(keys) for keys in admitted), default=1)
+        capacity = min(capacity, max(1, len(set().union(*admitted)), num_layers * largest))
     chosen = make_policy(policy, capacity=capacity)
     if chosen.clairvoyant:
         chosen.set_future(admitted)
-    table = SlotTable(capacity, policy=chosen)
+    table = SlotTable(capacity, policy=chosen, num_layers=num_layers, layer_of=layer_of)
     hits = misses = evictions = passes = 0
     for keys, starts_forward in zip(admitted, starts, strict=True):
         if starts_forward:
@@ -121,6 +133,7 @@ def _normalize(
     capacity: int,
     forward_starts: Collection[int] | None,
     oversize: str,
+    num_layers: int,
 ) -> tuple[list[tuple[Hashable, ...]], list[bool], int]:
     """Distinct keys of each call and whether each starts a forward pass."""
     if oversize not in ("passes", "raise"):
@@ -135,7 +148,7 @@ def _normalize(
         starts_forward = starts_set is None or index in starts_set
         if len(unique) > capacity:
             if oversize == "raise":
-                raise CacheCapacityError(len(unique), capacity, where=f"call {index}")
+                raise CacheCapacityError(len(unique), capacity, where=f"call {index}", layers=num_layers)
             split += 1
         admitted.append(unique)
         starts.append(starts_forward)

@@ -31,11 +31,18 @@ class TraceCalls:
         calls: distinct int keys of each call, in first-appearance order.
         forward_starts: indices into ``calls`` where a forward pass starts.
         num_keys: size of the key universe (``E`` per layer, ``L * E`` global).
+        num_layers: layers sharing the pool (1 per layer, ``L`` global); key ``k`` is layer
+            ``k // E``'s.
     """
 
     calls: list[tuple[int, ...]]
     forward_starts: list[int]
     num_keys: int
+    num_layers: int = 1
+
+    def layer_of(self, key: int) -> int:
+        """The layer (``0 .. num_layers - 1``) of a key."""
+        return key // (self.num_keys // self.num_layers)
 
     @property
     def distinct_keys(self) -> int:
@@ -86,7 +93,7 @@ def _stream(trace: RoutingTrace, columns: Sequence[int]) -> TraceCalls:
                 forward_starts.append(len(calls))
                 first = False
             calls.append(tuple(dict.fromkeys((keys + position * trace.num_experts).tolist())))
-    return TraceCalls(calls, forward_starts, len(columns) * trace.num_experts)
+    return TraceCalls(calls, forward_starts, len(columns) * trace.num_experts, len(columns))
 
 
 def replay_streams(streams: Sequence[TraceCalls], *, policy: str | EvictionPolicy, capacity: int) -> ReplayResult:
@@ -103,6 +110,8 @@ def replay_streams(streams: Sequence[TraceCalls], *, policy: str | EvictionPolic
             policy=policy,
             capacity=capacity,
             forward_starts=stream.forward_starts,
+            num_layers=stream.num_layers,
+            layer_of=stream.layer_of,
         )
     return total
 

@@ -107,7 +107,7 @@ def _rows_per_pair(binding: Binding) -> bool:
 def _may_take_passes(binding: Binding, top_k_index: torch.Tensor) -> bool:
     """Whether a call of these ids can need more than one pass (from the shapes alone)."""
     provider = binding.provider
-    return max_passes(top_k_index.numel(), provider.num_experts, provider.pool.num_slots) > 1
+    return max_passes(top_k_index.numel(), provider.num_experts, provider.pool.share) > 1
 
 
 def pairs_in_passes(
