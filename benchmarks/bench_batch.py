@@ -176,7 +176,7 @@ class Variant:
     providers: list
     graph: bool
     bytes_per_step: int | None = None  # fixed copies (streaming); None: read the cache's stats
-    num_slots: int | None = None  # slots one layer's call may use (caches)
+    num_slots: int | None = None  # slots one layer's call may use (caches: the pool's share)
     right: int | None = None  # prefetch: true ids among the K guesses an oracle makes per token
 
 
@@ -192,7 +192,7 @@ def cached(bench: Bench, fraction: float, mode: str, shared: bool, coded: bool =
         providers = [CachedWeightProvider(s, cache_size=slots, device=bench.device, mode=mode) for s in stores]
     name = f"{mode}{' global' if shared else ''}{' coded' if coded else ''}"
     graph = bench.graphs and mode == "device"
-    return Variant(name, f"{fraction:.0%}", providers, graph, num_slots=providers[0].pool.num_slots)
+    return Variant(name, f"{fraction:.0%}", providers, graph, num_slots=providers[0].pool.share)
 
 
 def prefetching(bench: Bench, fraction: float, right: int) -> Variant:
