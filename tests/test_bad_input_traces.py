@@ -147,6 +147,8 @@ def _route_log(path: Path, meta: dict, rows: list) -> Path:
         ({"top_k": "2"}, [], "r.jsonl:1: meta record: top_k must be an int, got str"),
         ({"top_k": 2, "num_experts": 0}, [], "meta record: num_experts must be in \\[1, "),
         ({"top_k": 2, "model_id": 5}, [], "'model_id' must be a string"),
+        # a route record run into the meta line (found by test_trace_properties' mutations)
+        ({"top_k": 2, "req_id": "r", "topk_ids": [0, 1]}, [], "r.jsonl:1: meta record: it holds 'topk_ids'"),
         ({"top_k": 2}, [{"type": "other"}], "r.jsonl:4: expected a route record, got type 'other'"),
         (
             {"top_k": 2, "num_experts": 3},

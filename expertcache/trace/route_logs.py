@@ -118,6 +118,8 @@ def _read_meta(path: str | Path, first: tuple[int, dict] | None, num_experts: in
         raise checker.fail(line, f"meta record: {error}") from None
     if not isinstance(meta.get("model_id", ""), str):
         raise checker.fail(line, f"meta record: 'model_id' must be a string, got {json_type(meta['model_id'])}")
+    if "topk_ids" in meta:  # a route record run into the meta line: its routing would be lost
+        raise checker.fail(line, "meta record: it holds 'topk_ids', a route record's field (two records run together?)")
     return checker, meta
 
 
