@@ -172,7 +172,7 @@ class CachedWeightProvider(ExpertWeightProvider):
                 a shared pool).
             ConcurrentUseError: another thread is inside this provider's pool.
             In every case the cache is left exactly as it was. Device mode checks ids on
-            the host only when ``T * K`` exceeds the slots (the share; prefill); smaller calls never sync,
+            the host only when ``min(T * K, E_local)`` exceeds the slots (the share; prefill); smaller calls never sync,
             and ids outside ``[0, E)`` come out -1, counted in ``stats.invalid_ids``.
         """
         return result_from_tensors(self.pool.tensors, self.pool.prepare(self.layer, topk_ids))

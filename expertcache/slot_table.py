@@ -46,6 +46,8 @@ class SlotTable:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         if num_layers > 1 and layer_of is None:
             raise ValueError("a table shared by several layers needs layer_of (the layer of a key)")
+        if layer_of is not None and not callable(layer_of):
+            raise TypeError(f"layer_of must be a function of a key, got {type(layer_of).__name__}")
         self.num_slots = num_slots
         #: slots one call may hold, and that every layer keeps (`expertcache.layer_shares`)
         self.share = layer_share(num_slots, num_layers)
@@ -82,17 +84,14 @@ class SlotTable:
         Raises:
             CacheCapacityError: more distinct keys than ``share`` (all slots for one layer);
                 nothing changes.
-            ValueError: keys of several layers in one call.
+            ValueError: keys of several layers in one call, or a key whose ``layer_of`` is
+                not in ``[0, num_layers)``; nothing changes.
         """
         unique = list(dict.fromkeys(keys))
+        layer = self._layer_of_call(unique)
         if len(unique) > self.share:
             raise CacheCapacityError(len(unique), self.share, layers=self.num_layers)
-        floor = None
-        if self.num_layers > 1 and unique:
-            layer = self._layer_of(unique[0])
-            if any(self._layer_of(key) != layer for key in unique):
-                raise ValueError("a call of a shared table holds the keys of one layer")
-            floor = LayerFloor(layer, self.share, self._held, self._layer_of)
+        floor = None if layer is None else LayerFloor(layer, self.share, self._held, self._layer_of)
         plan = plan_call(
             unique,
             [self._slot_of.get(key, -1) for key in unique],
@@ -121,10 +120,26 @@ class SlotTable:
         Returns:
             One `CallPlan` per pass (`expertcache.passes.group_passes` on the table's
             state): one when the call fits.
+
+        Raises:
+            ValueError: as `admit`, before any pass is admitted.
         """
         unique = list(dict.fromkeys(keys))
+        self._layer_of_call(unique)
         groups = group_passes(unique, [key in self._slot_of for key in unique], self.share)
         return [self.admit(group) for group in groups]
+
+    def _layer_of_call(self, unique: list[Key]) -> int | None:
+        """The one layer of a call's keys (None for a table of one layer, or no keys)."""
+        if self.num_layers == 1 or not unique:
+            return None
+        layers = {self._layer_of(key) for key in unique}
+        for layer in layers:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+                raise ValueError(f"layer_of gave {layer!r}, not a layer in [0, {self.num_layers})")
+        if len(layers) > 1:
+            raise ValueError(f"a call of a shared table holds the keys of one layer, not of layers {sorted(layers)}")
+        return layers.pop()
 
     def _count(self, key: Key, change: int) -> None:
         if self.num_layers > 1:

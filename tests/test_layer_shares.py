@@ -120,6 +120,32 @@ def test_a_shared_table_needs_the_layer_of_its_keys():
     with pytest.raises(ValueError, match="layer_of"):
         SlotTable(4, num_layers=2)
     table = SlotTable(4, num_layers=2, layer_of=lambda key: key // 10)
-    with pytest.raises(ValueError, match="one layer"):
-        table.admit([1, 11])
+    for call in ([1, 11], [0, 1, 10], [0, 1, 2, 10]):  # within the share, above it, and in passes
+        with pytest.raises(ValueError, match=r"keys of one layer, not of layers \[0, 1\]"):
+            table.admit(call)
+        with pytest.raises(ValueError, match="keys of one layer"):
+            table.admit_passes(call)  # refused before any pass is admitted
     assert table.resident() == frozenset()
+    table.admit([0, 1])
+    for bad in ([20], [-5]):  # layer_of outside [0, 2)
+        with pytest.raises(ValueError, match=r"layer_of gave -?\d+, not a layer in \[0, 2\)"):
+            table.admit_passes(bad)
+    assert table.resident() == {0, 1}
+    table.admit([2])  # and the table keeps working
+    assert table.resident() == {0, 1, 2}
+
+
+def test_replay_of_shared_layers_checks_its_arguments_and_names_a_bad_call():
+    layer_of = lambda key: key // 10  # noqa: E731
+    with pytest.raises(ValueError, match="call 1: .*keys of one layer"):
+        replay([[0], [0, 1, 10]], policy="lru", capacity=4, num_layers=2, layer_of=layer_of)
+    with pytest.raises(ValueError, match="num_layers must be a positive int"):
+        replay([[0]], policy="lru", capacity=4, num_layers="2", layer_of=layer_of)
+    with pytest.raises(ValueError, match="needs layer_of"):
+        replay([[0]], policy="lru", capacity=4, num_layers=2)
+    with pytest.raises(TypeError, match="layer_of must be a function"):
+        replay([[0]], policy="lru", capacity=4, num_layers=2, layer_of="x")
+    with pytest.raises(ValueError, match="at most 4 layers"):
+        replay([[0]], policy="lru", capacity=4, num_layers=5, layer_of=layer_of)
+    for layers in (2, 3):  # calls without keys: nothing to admit, nothing refused
+        assert replay([[], []], policy="lru", capacity=4, num_layers=layers, layer_of=layer_of).lookups == 0

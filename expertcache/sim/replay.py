@@ -99,28 +99,41 @@ def replay(
     Raises:
         ValueError: capacity not a positive int, an unknown ``oversize``, a
             ``forward_starts`` entry that is not a non-negative int, a policy instance built for
-            another capacity; TypeError: a call that is not a sequence of hashable keys.
+            another capacity, ``num_layers`` not a positive int (or above ``capacity``, or
+            without ``layer_of``), a call holding keys of several layers or a ``layer_of``
+            outside ``[0, num_layers)`` (naming the call); TypeError: a call that is not a
+            sequence of hashable keys.
         CacheCapacityError: an oversize call with ``oversize="raise"``.
     """
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
     if isinstance(policy, EvictionPolicy) and policy.capacity != capacity:
         raise ValueError(f"the policy instance was built for capacity {policy.capacity}, the replay has {capacity}")
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    if num_layers > 1 and layer_of is None:
+        raise ValueError("a replay of layers sharing the cache needs layer_of (the layer of a key)")
+    if layer_of is not None and not callable(layer_of):
+        raise TypeError(f"layer_of must be a function of a key, got {type(layer_of).__name__}")
     share = layer_share(capacity, num_layers)
     admitted, starts, split = _normalize(calls, share, forward_starts, oversize, num_layers)
     if not isinstance(policy, EvictionPolicy):
         # no eviction beyond this, and no call is larger than its share, so the passes are the same
         largest = max((len(keys) for keys in admitted), default=1)
-        capacity = min(capacity, max(1, len(set().union(*admitted)), num_layers * largest))
+        capacity = min(capacity, max(num_layers, len(set().union(*admitted)), num_layers * largest))
     chosen = make_policy(policy, capacity=capacity)
     if chosen.clairvoyant:
         chosen.set_future(admitted)
     table = SlotTable(capacity, policy=chosen, num_layers=num_layers, layer_of=layer_of)
     hits = misses = evictions = passes = 0
-    for keys, starts_forward in zip(admitted, starts, strict=True):
+    for index, (keys, starts_forward) in enumerate(zip(admitted, starts, strict=True)):
         if starts_forward:
             table.begin_forward()
-        for admission in table.admit_passes(keys):
+        try:
+            admissions = table.admit_passes(keys)
+        except ValueError as error:  # keys of several layers, or a layer_of out of range
+            raise ValueError(f"call {index}: {error}") from None
+        for admission in admissions:
             hits += len(admission.hits)
             misses += len(admission.loads)
             evictions += len(admission.evictions)
