@@ -74,17 +74,21 @@ class Protected(Container):
     def __init__(self, taken: set[Key], floor: LayerFloor | None = None) -> None:
         self.taken = taken
         self.floor = floor
-        self.held = None if floor is None else list(floor.held)
+        held = [] if floor is None else list(floor.held)
+        self.held = held
+        #: layers whose keys are out of reach now (another layer, at or below its share)
+        self.blocked = set() if floor is None else {
+            index for index, count in enumerate(held) if index != floor.layer and count <= floor.share
+        }  # fmt: skip
 
     def __contains__(self, key: object) -> bool:
-        if key in self.taken:
-            return True
-        if self.floor is None:
-            return False
-        owner = self.floor.layer_of(key)
-        return owner != self.floor.layer and self.held[owner] <= self.floor.share
+        return key in self.taken or (bool(self.blocked) and self.floor.layer_of(key) in self.blocked)
 
     def add(self, victim: Key) -> None:
         self.taken.add(victim)
-        if self.floor is not None:
-            self.held[self.floor.layer_of(victim)] -= 1
+        floor = self.floor
+        if floor is not None:
+            owner = floor.layer_of(victim)
+            self.held[owner] -= 1
+            if owner != floor.layer and self.held[owner] <= floor.share:
+                self.blocked.add(owner)

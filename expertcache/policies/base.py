@@ -6,7 +6,8 @@ order for every call (`expertcache.call_plan`):
 1. ``begin_call(keys)`` with the call's distinct keys in first-appearance order;
 2. planning: ``choose_victim(protected, incoming=key)`` once per miss that finds no free
    slot, in first-appearance order, every choice on the state before the call (it must not
-   change the policy; ``protected`` grows by each victim chosen);
+   change the policy; ``protected`` grows by each victim chosen, and a key it holds stays
+   in it until the call ends, so a policy may resume its search where the last one stopped);
 3. either the call happens: for each key in order ``on_hit(key)``, or ``on_evict(victim)``
    (when it took one) then ``on_miss(key)``; then ``end_call()``;
    or it is rolled back (a copy failed, an interrupt): ``abort_call()``, which undoes what

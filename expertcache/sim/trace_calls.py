@@ -10,7 +10,7 @@ makes no call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,9 +40,11 @@ class TraceCalls:
     num_keys: int
     num_layers: int = 1
 
-    def layer_of(self, key: int) -> int:
-        """The layer (``0 .. num_layers - 1``) of a key."""
-        return key // (self.num_keys // self.num_layers)
+    @property
+    def layer_of(self) -> Callable[[int], int]:
+        """The layer (``0 .. num_layers - 1``) of a key: ``key // E``."""
+        experts = self.num_keys // self.num_layers
+        return lambda key: key // experts
 
     @property
     def distinct_keys(self) -> int:
