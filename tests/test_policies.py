@@ -131,12 +131,18 @@ def test_ranking_only_the_head_of_a_large_cache_changes_nothing(name):
     policy_class = POLICIES[name]
 
     class FullSort(policy_class):
-        def _order(self, call_size):
-            return super()._order(None)
+        def _order(self, wanted):
+            return super()._order(len(self._keys))
 
     generator = random.Random(name)
     calls = [generator.sample(range(300), generator.randint(1, 6)) for _ in range(1500)]
     starts = range(0, 1500, 7)
     fast = replay(calls, policy=name, capacity=60, forward_starts=starts)
     full = replay(calls, policy=FullSort(60), capacity=60, forward_starts=starts)
+    assert fast == full and fast.evictions > 1000
+    # a shared pool, where the keys of layers at their share use up the short list
+    layer_of = lambda key: key // 100  # noqa: E731
+    shared = [[100 * (index % 3) + key % 100 for key in call] for index, call in enumerate(calls)]
+    fast = replay(shared, policy=name, capacity=60, forward_starts=starts, num_layers=3, layer_of=layer_of)
+    full = replay(shared, policy=FullSort(60), capacity=60, forward_starts=starts, num_layers=3, layer_of=layer_of)
     assert fast == full and fast.evictions > 1000

@@ -104,7 +104,8 @@ class RankedPolicy(EvictionPolicy):
 
     def choose_victim(self, protected: Container[Key], incoming: Key) -> Key:
         if self._victim_order is None:
-            self._victim_order = self._order(self._call_size)
+            self._wanted = 2 * self._call_size + 1
+            self._victim_order = self._order(self._wanted)
             self._victim_keys = list(self._keys)
             self._cursor = 0
         while True:
@@ -118,19 +119,24 @@ class RankedPolicy(EvictionPolicy):
                 self._cursor += 1
             if len(self._victim_order) == len(self._victim_keys):
                 raise LookupError("every resident key is protected by the current call")
-            self._victim_order = self._order(None)  # the short list ran out: rank them all
+            # The short list ran out (keys of layers at their share skipped): a longer one.
+            # Every list is a prefix of the next, so the cursor stays where it is.
+            self._wanted *= 4
+            self._victim_order = self._order(self._wanted)
 
-    def _order(self, call_size: int | None) -> np.ndarray:
-        """Rows of resident keys in eviction order: all, or a prefix long enough for a call.
+    def _order(self, wanted: int) -> np.ndarray:
+        """Rows of resident keys in eviction order: the ``wanted`` first (with every tie of
+        the last one), or all when that is as many.
 
         A call evicts at most one key per miss and skips at most its own keys, so the
-        ``2 * call_size`` lowest rows (with every tie of the last one) always suffice;
-        ``np.partition`` finds them without sorting the whole cache.
+        ``2 * call_size + 1`` lowest rows suffice for a pool of one layer (in a shared pool
+        the keys of layers at their share are skipped too: `choose_victim` asks for more);
+        ``np.partition`` finds them without sorting the whole cache. Each list is a prefix
+        of the whole order.
         """
         count = len(self._keys)
         view = {name: values[:count] for name, values in self._data.items()}
         ranks = tuple(self._rank(view))
-        wanted = 2 * call_size + 1 if call_size is not None else count
         if wanted >= count:
             return np.lexsort(ranks)
         primary = ranks[-1]
