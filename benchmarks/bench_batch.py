@@ -420,6 +420,11 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
     builders = variant_builders(bench, args.fractions, args.coded, args.prefetch)
     if args.only:
         builders = [(label, build) for label, build in builders if any(part in label for part in args.only)]
+        if not builders:
+            print(
+                f"bench_batch: error: --only {' '.join(args.only)} names none of this run's variants", file=sys.stderr
+            )
+            sys.exit(2)
         print(f"--only {' '.join(args.only)}: {', '.join(label for label, _ in builders)} (and resident)")
     for label, build in builders:
         rows += (new := run_variant(bench, label, build, args, reference))

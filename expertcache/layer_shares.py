@@ -10,7 +10,8 @@ layers gives each layer a **share** of ``S // L`` slots:
 * a miss of layer ``l`` takes its victim, in the policy's order, only among this layer's
   slots and the slots of layers holding *more* than their share (free slots go first, as
   always). A layer is never pushed below its share by another one;
-* a pass (`expertcache.passes`) holds at most ``share`` experts beyond its hits.
+* a call, or a pass of one (`expertcache.passes`: resident keys first, cut into groups of
+  the share), holds at most ``share`` experts.
 
 Together they guarantee that every pass finds its victims. Layer ``l`` holds ``c_l`` slots,
 ``h`` of them this pass's hits, and needs ``m <= share - h`` victims. The free slots plus
@@ -45,6 +46,21 @@ def layer_share(num_slots: int, num_layers: int) -> int:
     return num_slots // max(1, num_layers)
 
 
+def check_layers(num_layers: object, layer_of: object) -> None:
+    """Check the layer arguments of a table or replay shared by ``num_layers`` layers.
+
+    Raises:
+        ValueError: ``num_layers`` not a positive int, or several layers without ``layer_of``.
+        TypeError: a ``layer_of`` that is not callable.
+    """
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    if num_layers > 1 and layer_of is None:
+        raise ValueError("a table or replay of several layers needs layer_of (the layer of a key)")
+    if layer_of is not None and not callable(layer_of):
+        raise TypeError(f"layer_of must be a function of a key, got {type(layer_of).__name__}")
+
+
 @dataclass(frozen=True)
 class LayerFloor:
     """What one call of ``layer`` may not take from the other layers of a shared pool.
@@ -60,10 +76,6 @@ class LayerFloor:
     share: int
     held: Sequence[int]
     layer_of: Callable[[Key], int]
-
-    def protect(self, taken: set[Key]) -> Protected:
-        """The keys a miss of this call must not evict, given ``taken`` (its keys and victims)."""
-        return Protected(taken, self)
 
 
 class Protected(Container):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from expertcache.call_plan import CallPlan, plan_call, tell_policy
 from expertcache.errors import CacheCapacityError
-from expertcache.layer_shares import LayerFloor, layer_share
+from expertcache.layer_shares import LayerFloor, check_layers, layer_share
 from expertcache.passes import group_passes
 from expertcache.policies import EvictionPolicy, Key, claim_policy
 
@@ -42,12 +42,7 @@ class SlotTable:
     ) -> None:
         if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-        if num_layers > 1 and layer_of is None:
-            raise ValueError("a table shared by several layers needs layer_of (the layer of a key)")
-        if layer_of is not None and not callable(layer_of):
-            raise TypeError(f"layer_of must be a function of a key, got {type(layer_of).__name__}")
+        check_layers(num_layers, layer_of)
         self.num_slots = num_slots
         #: slots one call may hold, and that every layer keeps (`expertcache.layer_shares`)
         self.share = layer_share(num_slots, num_layers)

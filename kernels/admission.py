@@ -90,8 +90,10 @@ def admit(
     common["HAS_PASSES"] = passes is not None
     common["PDL"] = chains_launches(topk_ids.device)
     common["HAS_SHARES"] = key_layer is not None
-    if key_layer is not None and (key_layer.dtype != torch.int32 or key_layer.shape != (tables.num_keys,)):
-        raise ValueError(f"key_layer must be an int32 tensor of num_keys={tables.num_keys} layers")
+    if key_layer is not None and (
+        key_layer.dtype != torch.int32 or key_layer.shape != (tables.num_keys,) or key_layer.device != topk_ids.device
+    ):
+        raise ValueError(f"key_layer must be an int32 tensor of num_keys={tables.num_keys} layers on the ids' device")
     layers = key_layer if key_layer is not None else tables.slot_to_key  # any int32 pointer when unused
     pass_of = passes if passes is not None else out
     state = (tables.expert_to_slot, tables.slot_to_key, tables.last_use, tables.clock)

@@ -26,7 +26,7 @@ from numbers import Integral
 from typing import Literal
 
 from expertcache.errors import CacheCapacityError
-from expertcache.layer_shares import layer_share
+from expertcache.layer_shares import check_layers, layer_share
 from expertcache.policies import EvictionPolicy, make_policy
 from expertcache.slot_table import SlotTable
 
@@ -109,12 +109,7 @@ def replay(
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
     if isinstance(policy, EvictionPolicy) and policy.capacity != capacity:
         raise ValueError(f"the policy instance was built for capacity {policy.capacity}, the replay has {capacity}")
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-    if num_layers > 1 and layer_of is None:
-        raise ValueError("a replay of layers sharing the cache needs layer_of (the layer of a key)")
-    if layer_of is not None and not callable(layer_of):
-        raise TypeError(f"layer_of must be a function of a key, got {type(layer_of).__name__}")
+    check_layers(num_layers, layer_of)
     share = layer_share(capacity, num_layers)
     admitted, starts, split = _normalize(calls, share, forward_starts, oversize, num_layers)
     if not isinstance(policy, EvictionPolicy):
