@@ -78,10 +78,11 @@ def sum_over_passes(
                 launch.run(ids, weights, act, part, index == 0)
         if part is None or ids is None:
             raise ValueError("results holds no pass")
-        out = torch.zeros(tokens, part.shape[1], dtype=torch.float32 if fp32_out else hidden.dtype,
-                          device=hidden.device)  # fmt: skip
-        if tokens and top_k:
-            launch_sum(part, ids, torch.zeros(1, dtype=torch.int64, device=hidden.device), out, num_rows)
+        out_dtype = torch.float32 if fp32_out else hidden.dtype
+        if not (tokens and top_k):  # the mixture of no expert is zero
+            return torch.zeros(tokens, part.shape[1], dtype=out_dtype, device=hidden.device)
+        out = torch.empty(tokens, part.shape[1], dtype=out_dtype, device=hidden.device)
+        launch_sum(part, ids, None, out, num_rows)  # writes every row; ids outside [-1, N) add nothing
     return out
 
 

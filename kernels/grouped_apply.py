@@ -12,7 +12,7 @@ grouped by the index they carry, so both give the same rows in the same blocks. 
              BLOCK_M rows -> pair_of_row [R], expert_of_block [R/BLOCK_M]
     gate_up  grid (R/BLOCK_M, I/BLOCK_N):  act[r]  = silu(x_t @ W1g[e].T) * (x_t @ W1u[e].T)
     down     grid (R/BLOCK_M, H/BLOCK_N):  part[p] = topk_weight[p] * (act[r] @ W2[e].T)  fp32
-    sum_k    `expert_apply._sum_over_k_kernel`: out[t] = sum over k of part[t, k], in k order
+    sum_k    `expert_apply.launch_sum`: out[t] = sum over k of part[t, k], in k order
 
 Blocks past the used ones exit at once; the blocks of bucket N (ids that contribute nothing)
 write zero rows of ``part`` and read no weights. ``act`` is fp32 for fp32 ``w2``, else
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
-from expertcache.kernels.expert_apply import _sum_over_k_kernel, moe_apply
+from expertcache.kernels.expert_apply import launch_sum, moe_apply
 from expertcache.kernels.grouped_routing import sort_pairs_by_expert
 
 #: Pairs (``T*K``) from which `moe_apply_auto` takes the grouped GEMM over the GEMV. Set from
@@ -251,10 +251,7 @@ def _moe_apply_grouped(
     with on_device(device):
         launch_grouped_pairs(hidden, w1, w2, ids, topk_weights.contiguous(), part, True,
                              (block_m, block_n, block_k, num_warps, num_stages))  # fmt: skip
-        _sum_over_k_kernel[(tokens, triton.cdiv(hidden_size, 256))](
-            part, ids, invalid, out, hidden_size, top_k, num_experts, out.stride(0),
-            BLOCK_H=256, BLOCK_K=max(2, triton.next_power_of_2(top_k)),
-        )  # fmt: skip
+        launch_sum(part, ids, invalid, out, num_experts)
     return out, invalid
 
 

@@ -7,7 +7,7 @@ blocks of ``BLOCK_M`` rows (`grouped_routing.sort_pairs_by_expert`), then::
 
     gate_up  grid (R/BLOCK_M, I/BLOCK_N):  act[r]  = act_fn(x_t @ W1g[e].T + b, x_t @ W1u[e].T + b)
     down     grid (R/BLOCK_M, H/BLOCK_N):  part[p] = topk_weight[p] * (act[r] @ W2[e].T + b2)   fp32
-    sum_k    `expert_apply._sum_over_k_kernel`, in k order
+    sum_k    `expert_apply.launch_sum`, in k order
 
 Dequantisation happens on the tile: a K step multiplies the raw decoded values (e4m3 or
 e2m1, exact in fp16 and bf16) on tensor cores and scales the fp32 partial product per
