@@ -4,7 +4,7 @@ Qwen3-30B-A3B expert shapes (H=2048, I=768, E=128, top-8, bf16, 9.4 MB per exper
 layers, routing replayed from the real Qwen3 trace: a batch of B requests is B trace
 positions spread over the trace, and row b of step s is trace token ``offset_b + s``. One
 process, one set of pinned stores shared by every variant, one apply kernel
-(`moe_apply_passes`: GEMV below 32 pairs, grouped GEMM above; ``--apply gemv``: GEMV only)::
+(`moe_apply_passes`: GEMV below 128 pairs, grouped GEMM above; ``--apply gemv``: GEMV only)::
 
     resident         every expert on the GPU (FullGPUProvider), CUDA graph
     stream d1, d2    whole-layer streaming, prefetch 1 / 2 layers ahead

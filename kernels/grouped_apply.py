@@ -33,9 +33,9 @@ from expertcache.kernels.grouped_routing import sort_pairs_by_expert
 
 #: Pairs (``T*K``) from which `moe_apply_auto` takes the grouped GEMM over the GEMV. Set from
 #: the crossover benchmarks/bench_apply.py printed on one H200 (Qwen3-30B-A3B shapes, bf16,
-#: graphed; pools of 32/64/128 slots crossed at 8/32/16, at T=1 the two were within 10%);
-#: measure again on other GPUs and shapes.
-GROUPED_MIN_PAIRS = 32
+#: graphed, c8c1257): pools of 32/64/128 slots crossed at 64/128/128 pairs; at 128 pairs
+#: (T=16) over 128 slots the two were within 1%. Measure again on other GPUs and shapes.
+GROUPED_MIN_PAIRS = 128
 
 _TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 
