@@ -6,7 +6,7 @@
 #        compression decode-compressed: exponent coding (ratio, decode-copy bursts, DFloat11 beside
 #        it when its wheel, dahuffman's and cupy import) and the decode step raw vs coded)
 #   pytest: the test files in $TESTS (xdist workers); sm-reads: how close kernels reading pinned memory get to the copy engine (bench_sm_reads.py)
-#   graphed: GraphedGenerator's tests (graphs on the GPU); quant: bench_quant.py; gemv-tiles: the decode GEMV's tiles
+#   graphed: GraphedGenerator's tests (graphs on the GPU); quant: bench_quant.py; gemv-tiles, quant-gemv: the decode GEMVs' tiles (float, quantised)
 #   suite: the README's test command, the WHOLE suite (python3 -m pytest -q); suite-parallel: the
 #   same over pytest-xdist workers (its wheel and execnet's in .whl/); tests: only -m gpu
 # Logs and CSVs go to $OUT (or ./gpu-out). Carried wheels in .whl/ (flashlib) are installed
@@ -59,6 +59,8 @@ for step in $steps; do
     sm-reads) timeout 240 python3 benchmarks/bench_sm_reads.py 2>&1 | tee "$OUT/bench_sm_reads.log" ;;
     apply) timeout 240 python3 benchmarks/bench_apply.py 2>&1 | tee "$OUT/bench_apply.log" ;;
     gemv-tiles) timeout 240 python3 benchmarks/bench_gemv_tiles.py ${GEMV_TILES_ARGS:-} 2>&1 | tee "$OUT/bench_gemv_tiles.log" ;;
+    quant-gemv) timeout ${QUANT_GEMV_TIMEOUT:-420} python3 benchmarks/bench_quant_gemv.py ${QUANT_GEMV_ARGS:-} 2>&1 \
+      | tee "$OUT/bench_quant_gemv.log" ;;
     pytest)  # chosen test files ($TESTS) over SUITE_WORKERS pytest-xdist workers: a change's GPU check
       timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -n ${SUITE_WORKERS:-8} ${TESTS:-tests} 2>&1 \
         | tee "$OUT/pytest.log" | tail -20 ;;

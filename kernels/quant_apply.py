@@ -12,16 +12,19 @@ the same MLP options, so one model's formats run the same kernels). Like
     down     grid (T*K, H/BLOCK_H):  part[t,k] = topk_weight[t,k] * (W2[e] @ act[t,k] + b2)  fp32
     sum_k    grid (T, H/256):        out[t]    = sum over k of part[t,k], in k order
 
-Each K step multiplies raw decoded values and scales the partial sums: fp8 steps lie inside
-one scale column (a power of two dividing it), so the scale is one value per row
-(unquantised weights: fp8's path, no scale, steps of up to 256 columns); MXFP4
-steps cover whole groups of 32 (``[rows, groups, 16]`` byte tiles, even and odd columns
-apart). Ids outside ``[0, N)`` (-1 included) contribute nothing and read nothing.
+Each K step decodes a ``[rows, step]`` tile: fp8 steps lie inside one scale column (a power
+of two dividing it), so the scale is one value per row (unquantised weights: fp8's path, no
+scale, steps of up to 256 columns); MXFP4 steps cover whole groups of 32 (``[rows, groups,
+16]`` byte tiles, even and odd columns apart, one scale per row and group). The scaled
+products are reduced after every step or accumulated elementwise and reduced once, as each
+kernel's tile says (`GATE_UP_TILE`, `DOWN_TILE`, `Tile`).
+Ids outside ``[0, N)`` (-1 included) contribute nothing and read nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import triton
@@ -40,33 +43,63 @@ from expertcache.kernels.quant_common import (
 from expertcache.quant import QuantScheme, quant_moe_forward, weights_of
 from expertcache.result import ExpertWeightResult
 
-_BLOCK_ROWS = 16
-_MAX_STEP = 256
+
+class Tile(NamedTuple):
+    """A GEMV launch's tile: output rows per program, the most columns a K step takes
+    (`quant_common.reduction_block` may take fewer), warps, and whether products are
+    accumulated elementwise and reduced once after the loop (else after every step)."""
+
+    rows: int
+    max_step: int
+    warps: int
+    sum_once: bool
+
+
+# Measured on an H200 (benchmarks/bench_quant_gemv.py): the tile before the sweep
+GATE_UP_TILE = Tile(rows=16, max_step=256, warps=4, sum_once=False)
+DOWN_TILE = Tile(rows=16, max_step=256, warps=4, sum_once=False)
 
 
 @triton.jit
 def _rows_times_vector(
     w_ptr, scale_ptr, x_ptr, rows, row_mask, columns, stride_row, stride_scale_row, scale_rows, scale_cols,
-    FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SUM_ONCE: tl.constexpr,
 ):  # fmt: skip
-    """``[BLOCK_R]`` fp32: decoded ``W[rows] @ x`` of one expert (``w_ptr``, ``scale_ptr`` at it)."""
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    """``[BLOCK_R]`` fp32: decoded ``W[rows] @ x`` of one expert (``w_ptr``, ``scale_ptr`` at it).
+    ``SUM_ONCE``: scaled products accumulate elementwise, reduced once after the loop (a
+    reduction per step can stall the loads behind it); else each step's sum is scaled and added."""
     rows64 = rows.to(tl.int64)
     if FORMAT != 1:  # fp8: one scale per row in a step; unquantised (2): no scale
         scale_row = scale_ptr + (rows64 // scale_rows) * stride_scale_row
+        if SUM_ONCE:
+            acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         for start in range(0, columns, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
             col_mask = cols < columns
             x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             mask = row_mask[:, None] & col_mask[None, :]
             w = tl.load(w_ptr + rows64[:, None] * stride_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            partial = tl.sum(w * x[None, :], axis=1)
             if FORMAT == 0:
-                partial = partial * tl.load(scale_row + start // scale_cols, mask=row_mask, other=0.0).to(tl.float32)
-            acc += partial
+                scale = tl.load(scale_row + start // scale_cols, mask=row_mask, other=0.0).to(tl.float32)
+            else:
+                scale = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
+            if SUM_ONCE:
+                acc += w * x[None, :] * scale[:, None]
+            else:
+                acc += tl.sum(w * x[None, :], axis=1) * scale
+        if SUM_ONCE:
+            result = tl.sum(acc, axis=1)
+        else:
+            result = acc
     else:  # MXFP4: BLOCK_K // 32 groups a step, bytes [rows, groups, 16]
         num_groups = (columns + 31) // 32
         pairs = tl.arange(0, 16)
+        if SUM_ONCE:
+            acc = tl.zeros([BLOCK_R, BLOCK_K // 32, 16], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         for first in range(0, num_groups, BLOCK_K // 32):
             groups = first + tl.arange(0, BLOCK_K // 32)
             group_mask = groups < num_groups
@@ -77,11 +110,18 @@ def _rows_times_vector(
             offsets = rows64[:, None, None] * stride_row + groups[None, :, None] * 16 + pairs[None, None, :]
             packed = tl.load(w_ptr + offsets, mask=byte_mask, other=0)
             low, high = e2m1_to_float(packed & 0xF), e2m1_to_float(packed >> 4)
-            partial = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK_R, groups]
             code_mask = row_mask[:, None] & group_mask[None, :]
             codes = tl.load(scale_ptr + rows64[:, None] * stride_scale_row + groups[None, :], mask=code_mask, other=0)
-            acc += tl.sum(partial * e8m0_to_float(codes), axis=1)
-    return acc
+            products = low * x_even[None, :, :] + high * x_odd[None, :, :]  # [BLOCK_R, groups, 16]
+            if SUM_ONCE:
+                acc += products * e8m0_to_float(codes)[:, :, None]
+            else:
+                acc += tl.sum(tl.sum(products, axis=2) * e8m0_to_float(codes), axis=1)
+        if SUM_ONCE:
+            result = tl.sum(tl.sum(acc, axis=2), axis=1)
+        else:
+            result = acc
+    return result
 
 
 @triton.jit
@@ -91,7 +131,7 @@ def _gate_up_kernel(
     scale_rows, scale_cols,
     hidden_size, inter_size, top_k, num_rows, stride_token, row_step, up_offset, alpha, limit,
     FORMAT: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, SUM_ONCE: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     outputs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -105,9 +145,10 @@ def _gate_up_kernel(
         w = w_ptr + expert * stride_expert
         scales = scale_ptr + expert * stride_scale_expert
         gate = _rows_times_vector(w, scales, x_row, gate_rows, mask, hidden_size, stride_row, stride_scale_row,
-                                  scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_I)  # fmt: skip
-        up = _rows_times_vector(w, scales, x_row, gate_rows + up_offset, mask, hidden_size, stride_row,
-                                stride_scale_row, scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_I)  # fmt: skip
+                                  scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_I, SUM_ONCE)  # fmt: skip
+        up_rows = gate_rows + up_offset
+        up = _rows_times_vector(w, scales, x_row, up_rows, mask, hidden_size, stride_row, stride_scale_row,
+                                scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_I, SUM_ONCE)  # fmt: skip
         if HAS_BIAS:
             bias = bias_ptr + expert * stride_bias
             gate += tl.load(bias + gate_rows, mask=mask, other=0.0).to(tl.float32)
@@ -123,7 +164,7 @@ def _down_kernel(
     scale_rows, scale_cols,
     hidden_size, inter_size, num_rows,
     FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    WRITE_ALL: tl.constexpr,
+    SUM_ONCE: tl.constexpr, WRITE_ALL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -134,7 +175,7 @@ def _down_kernel(
     if served:
         acc = _rows_times_vector(w_ptr + expert * stride_expert, scale_ptr + expert * stride_scale_expert,
                                  act_ptr + pair * inter_size, rows, mask, inter_size, stride_row, stride_scale_row,
-                                 scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_H)  # fmt: skip
+                                 scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_H, SUM_ONCE)  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(bias_ptr + expert * stride_bias + rows, mask=mask, other=0.0).to(tl.float32)
         acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
@@ -207,18 +248,28 @@ def moe_apply_quant_torch(
 def launch_quant_pairs(hidden, ops: QuantOperands, ids, weights, act, part, write_all: bool) -> None:
     """gate_up and down over every (token, choice): ``part[t*K + k]`` = weighted expert
     output for ids in ``[0, N)``; other rows get zeros (``write_all``) or stay as they were."""
-    tokens, top_k = ids.shape
-    pairs = tokens * top_k
-    _gate_up_kernel[(pairs, triton.cdiv(ops.inter_size, _BLOCK_ROWS))](
+    launch_gate_up(hidden, ops, ids, act, GATE_UP_TILE)
+    launch_down(act, ops, ids, weights, part, write_all, DOWN_TILE)
+
+
+def launch_gate_up(hidden, ops: QuantOperands, ids, act, tile: Tile) -> None:
+    """``act`` ``[T*K, I]`` fp32: the activated gate/up products of every (token, choice)."""
+    _gate_up_kernel[(ids.numel(), triton.cdiv(ops.inter_size, tile.rows))](
         hidden, ids, act, *ops.w1.args(),
-        ops.hidden_size, ops.inter_size, top_k, ops.num_rows, hidden.stride(0), ops.row_step, ops.up_offset,
+        ops.hidden_size, ops.inter_size, ids.shape[1], ops.num_rows, hidden.stride(0), ops.row_step, ops.up_offset,
         ops.alpha, ops.limit, FORMAT=ops.format, ACTIVATION=ops.activation, HAS_BIAS=ops.has_bias,
-        BLOCK_I=_BLOCK_ROWS, BLOCK_K=reduction_block(ops.w1, ops.format, _MAX_STEP),
+        BLOCK_I=tile.rows, BLOCK_K=reduction_block(ops.w1, ops.format, tile.max_step), SUM_ONCE=tile.sum_once,
+        num_warps=tile.warps,
     )  # fmt: skip
-    _down_kernel[(pairs, triton.cdiv(ops.hidden_size, _BLOCK_ROWS))](
+
+
+def launch_down(act, ops: QuantOperands, ids, weights, part, write_all: bool, tile: Tile) -> None:
+    """``part`` ``[T*K, H]`` fp32: each (token, choice)'s down projection times its router weight."""
+    _down_kernel[(ids.numel(), triton.cdiv(ops.hidden_size, tile.rows))](
         act, ids, weights, part, *ops.w2.args(), ops.hidden_size, ops.inter_size, ops.num_rows,
-        FORMAT=ops.format, HAS_BIAS=ops.has_bias, BLOCK_H=_BLOCK_ROWS,
-        BLOCK_K=reduction_block(ops.w2, ops.format, _MAX_STEP), WRITE_ALL=write_all,
+        FORMAT=ops.format, HAS_BIAS=ops.has_bias, BLOCK_H=tile.rows,
+        BLOCK_K=reduction_block(ops.w2, ops.format, tile.max_step), SUM_ONCE=tile.sum_once, WRITE_ALL=write_all,
+        num_warps=tile.warps,
     )  # fmt: skip
 
 

@@ -18,6 +18,8 @@ from helpers import random_topk
 
 from expertcache import CachedWeightProvider
 from expertcache.kernels import moe_apply_quant, moe_apply_quant_grouped, moe_apply_quant_passes, moe_apply_quant_torch
+from expertcache.kernels.quant_apply import Tile, launch_down, launch_gate_up
+from expertcache.kernels.quant_common import quant_operands
 from expertcache.quant import (
     FP8_BLOCK_128,
     FP8_PER_TENSOR,
@@ -119,6 +121,32 @@ def test_gemv_matches_reference(device, dtype, tolerance, scheme, tokens, top_k,
     ours = moe_apply_quant(x, tensors, router, ids, scheme=scheme, invalid_ids=invalid)
     check(ours, moe_apply_quant_torch(x, tensors, router, ids, scheme=scheme), dtype, tolerance)
     assert invalid.item() == (1 if top_k > 1 else 0)
+
+
+# (gate_up, down) tiles beside the library's: both accumulations, steps shorter than a row
+TILES = [
+    pytest.param((Tile(4, 16, 4, True), Tile(8, 32, 4, False)), id="sum-once-gate"),
+    pytest.param((Tile(8, 64, 8, False), Tile(4, 16, 4, True)), id="sum-once-down"),
+    pytest.param((Tile(16, 256, 4, True), Tile(32, 256, 8, True)), id="sum-once-both"),
+]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_every_gemv_tile_matches_reference(device, tiles, scheme):
+    tokens, top_k, num_experts, hidden, inter = SHAPES[-1]  # several K steps, ragged rows
+    x, tensors, router, ids = call(scheme, tokens, top_k, num_experts, hidden, inter, dtype=torch.float32,
+                                   device=device)  # fmt: skip
+    ops = quant_operands(x, tensors, router, ids, scheme)
+    act = torch.empty(ids.numel(), inter, device=device)
+    part = torch.full((ids.numel(), hidden), float("nan"), device=device)
+    launch_gate_up(x, ops, ids, act, tiles[0])
+    launch_down(act, ops, ids, router, part, True, tiles[1])
+    served = (ids >= 0) & (ids < num_experts)
+    ours = (part.view(tokens, top_k, hidden) * served[..., None]).sum(1)  # skipped rows are zeros
+    assert not part.isnan().any()
+    check(ours, moe_apply_quant_torch(x, tensors, router, ids, scheme=scheme), torch.float32, 1e-5)
 
 
 @pytest.mark.parametrize("device", devices())
