@@ -14,7 +14,7 @@ Variants per format and T:
                            tile tried: output rows, the longest K step, warps, and whether the
                            scaled products are reduced after every step ("per step") or
                            accumulated elementwise and reduced once ("once")
-    moe_apply_quant_passes the whole apply with the library's tiles (`GATE_UP_TILE`, `DOWN_TILE`),
+    moe_apply_quant_passes the whole apply with the library's tiles (`GATE_UP_TILES`, `DOWN_TILES`),
                            GEMV and grouped GEMM
 
 Bound: the bytes of the distinct experts a launch reads (weights, scales, biases) / the
@@ -41,8 +41,8 @@ from bench_apply import hbm_gbps  # noqa: E402
 from bench_gemv_tiles import graphed_us  # noqa: E402
 
 from expertcache.kernels import moe_apply_quant_passes  # noqa: E402
-from expertcache.kernels.quant_apply import DOWN_TILE, GATE_UP_TILE, Tile, launch_down, launch_gate_up  # noqa: E402
-from expertcache.kernels.quant_common import quant_operands  # noqa: E402
+from expertcache.kernels.quant_apply import DOWN_TILES, GATE_UP_TILES, Tile, launch_down, launch_gate_up  # noqa: E402
+from expertcache.kernels.quant_common import FORMAT_CODES, quant_operands  # noqa: E402
 from expertcache.provider import result_from_tensors  # noqa: E402
 from expertcache.quant import FP8_BLOCK_128, GPT_OSS_BF16, GPT_OSS_MXFP4, quantize_experts  # noqa: E402
 
@@ -85,7 +85,7 @@ def tiles(quick: bool) -> list[Tile]:
     else:
         shapes = itertools.product((4, 8, 16, 32), (64, 128, 256), (4, 8))
         grid = [Tile(rows, step, warps, True) for rows, step, warps in shapes if rows * step <= 1024 * warps]
-    seen = {GATE_UP_TILE, DOWN_TILE, Tile(16, 256, 4, False)}
+    seen = {*GATE_UP_TILES.values(), *DOWN_TILES.values(), Tile(16, 256, 4, False)}
     return sorted(seen | set(grid))
 
 
@@ -149,21 +149,21 @@ def main() -> int:
         del tensors
         torch.cuda.empty_cache()
     best, library = {}, []
-    names = {"gate_up": GATE_UP_TILE, "down": DOWN_TILE}
     for entry in rows:  # the fastest tile of each kernel per (format, T), and every whole-apply row
         key = (entry["format"], entry["tokens"], entry["variant"])
         if key not in best or entry["us"] < best[key]["us"]:
             best[key] = entry
-        tile = names.get(entry["variant"])
+        code = FORMAT_CODES[FORMATS[entry["format"]]["scheme"].format]
+        tile = {"gate_up": GATE_UP_TILES[code], "down": DOWN_TILES[code]}.get(entry["variant"])
         if tile is not None and entry["tile"].startswith(f"{tile.rows}x{tile.max_step} w{tile.warps} "):
             if entry["tile"].endswith("once") == tile.sum_once:
                 library.append(entry)
+    print("CSV:", append_csv("bench_quant_gemv", [{**entry, "hbm_gbps": hbm} for entry in rows]))
     columns = ["format", "tokens", "variant", "tile", "us", "bound_us", "ratio"]
     print(f"HBM {hbm:.0f} GB/s (read + written); bf16 tokens, graphed; fastest tile per kernel:")
     print_table(list(best.values()), columns)
-    print(f"library tiles: gate_up {GATE_UP_TILE}, down {DOWN_TILE}:")
+    print("the library's tiles (`quant_apply.GATE_UP_TILES`, `DOWN_TILES`):")
     print_table(library, columns)
-    print("CSV:", append_csv("bench_quant_gemv", [{**entry, "hbm_gbps": hbm} for entry in rows]))
     return 0
 
 

@@ -17,7 +17,7 @@ of two dividing it), so the scale is one value per row (unquantised weights: fp8
 scale, steps of up to 256 columns); MXFP4 steps cover whole groups of 32 (``[rows, groups,
 16]`` byte tiles, even and odd columns apart, one scale per row and group). The scaled
 products are reduced after every step or accumulated elementwise and reduced once, as each
-kernel's tile says (`GATE_UP_TILE`, `DOWN_TILE`, `Tile`).
+kernel's tile for the format says (`GATE_UP_TILES`, `DOWN_TILES`, `Tile`).
 Ids outside ``[0, N)`` (-1 included) contribute nothing and read nothing.
 """
 
@@ -33,9 +33,13 @@ import triton.language as tl
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.expert_apply import launch_sum
 from expertcache.kernels.quant_common import (
+    E2M1_PAIR_UNSCALE,
+    FORMAT_FP8,
+    FORMAT_MXFP4,
+    FORMAT_NONE,
     QuantOperands,
     activate,
-    e2m1_to_float,
+    e2m1_pair_to_float,
     e8m0_to_float,
     quant_operands,
     reduction_block,
@@ -55,9 +59,18 @@ class Tile(NamedTuple):
     sum_once: bool
 
 
-# Measured on an H200 (benchmarks/bench_quant_gemv.py): the tile before the sweep
-GATE_UP_TILE = Tile(rows=16, max_step=256, warps=4, sum_once=False)
-DOWN_TILE = Tile(rows=16, max_step=256, warps=4, sum_once=False)
+# Per format, the fastest tiles on an H200 (benchmarks/bench_quant_gemv.py; benchmarks/README.md).
+# Before that sweep every kernel took Tile(16, 256, 4, sum_once=False).
+GATE_UP_TILES = {
+    FORMAT_FP8: Tile(rows=16, max_step=128, warps=8, sum_once=True),
+    FORMAT_MXFP4: Tile(rows=8, max_step=256, warps=4, sum_once=True),
+    FORMAT_NONE: Tile(rows=8, max_step=128, warps=8, sum_once=True),
+}
+DOWN_TILES = {
+    FORMAT_FP8: Tile(rows=16, max_step=256, warps=4, sum_once=False),
+    FORMAT_MXFP4: Tile(rows=8, max_step=256, warps=4, sum_once=True),
+    FORMAT_NONE: Tile(rows=32, max_step=128, warps=4, sum_once=True),
+}
 
 
 @triton.jit
@@ -109,7 +122,7 @@ def _rows_times_vector(
             byte_mask = row_mask[:, None, None] & group_mask[None, :, None]
             offsets = rows64[:, None, None] * stride_row + groups[None, :, None] * 16 + pairs[None, None, :]
             packed = tl.load(w_ptr + offsets, mask=byte_mask, other=0)
-            low, high = e2m1_to_float(packed & 0xF), e2m1_to_float(packed >> 4)
+            low, high = e2m1_pair_to_float(packed)  # each value / 2**14: undone after the sum
             code_mask = row_mask[:, None] & group_mask[None, :]
             codes = tl.load(scale_ptr + rows64[:, None] * stride_scale_row + groups[None, :], mask=code_mask, other=0)
             products = low * x_even[None, :, :] + high * x_odd[None, :, :]  # [BLOCK_R, groups, 16]
@@ -118,9 +131,9 @@ def _rows_times_vector(
             else:
                 acc += tl.sum(tl.sum(products, axis=2) * e8m0_to_float(codes), axis=1)
         if SUM_ONCE:
-            result = tl.sum(tl.sum(acc, axis=2), axis=1)
+            result = tl.sum(tl.sum(acc, axis=2), axis=1) * E2M1_PAIR_UNSCALE
         else:
-            result = acc
+            result = acc * E2M1_PAIR_UNSCALE
     return result
 
 
@@ -248,8 +261,8 @@ def moe_apply_quant_torch(
 def launch_quant_pairs(hidden, ops: QuantOperands, ids, weights, act, part, write_all: bool) -> None:
     """gate_up and down over every (token, choice): ``part[t*K + k]`` = weighted expert
     output for ids in ``[0, N)``; other rows get zeros (``write_all``) or stay as they were."""
-    launch_gate_up(hidden, ops, ids, act, GATE_UP_TILE)
-    launch_down(act, ops, ids, weights, part, write_all, DOWN_TILE)
+    launch_gate_up(hidden, ops, ids, act, GATE_UP_TILES[ops.format])
+    launch_down(act, ops, ids, weights, part, write_all, DOWN_TILES[ops.format])
 
 
 def launch_gate_up(hidden, ops: QuantOperands, ids, act, tile: Tile) -> None:

@@ -1,7 +1,8 @@
 """What the quantised apply kernels share: in-register decoding, the activations, and checks.
 
 Decoding never leaves registers: an fp8 weight is loaded as e4m3 and converted; an MXFP4
-byte is split into its two e2m1 nibbles arithmetically (`e2m1_to_float`) and its group's
+byte is split into its two e2m1 nibbles arithmetically (`e2m1_to_float`; the GEMV places the
+bits in a float16, `e2m1_pair_to_float`) and its group's
 e8m0 code becomes ``2 ** (code - 127)`` by placing it in a float32 exponent (`e8m0_to_float`,
 code 0 -> 0); an unquantised (format ``"none"``) weight is loaded as it is and never scaled,
 the fp8 code path without its scale. `QuantOperands` is the validated view of one call's
@@ -23,7 +24,7 @@ from expertcache.quant import UNQUANTIZED_DTYPES, QuantScheme
 from expertcache.quant_mxfp4 import GROUP, mxfp4_groups
 
 FORMAT_FP8, FORMAT_MXFP4, FORMAT_NONE = 0, 1, 2
-_FORMAT_CODES = {"fp8": FORMAT_FP8, "mxfp4": FORMAT_MXFP4, "none": FORMAT_NONE}
+FORMAT_CODES = {"fp8": FORMAT_FP8, "mxfp4": FORMAT_MXFP4, "none": FORMAT_NONE}
 ACTIVATION_SILU, ACTIVATION_SWIGLU_OAI = 0, 1
 
 
@@ -36,6 +37,25 @@ def e2m1_to_float(nibbles):
     # exponent 0: 0 or 0.5; else (1 + mantissa / 2) * 2 ** (exponent - 1)
     value = tl.where(exponent == 0, 0.5 * mantissa, (2.0 + mantissa) * (1 << exponent).to(tl.float32) * 0.25)
     return tl.where((code & 8) != 0, -value, value)
+
+
+#: `e2m1_pair_to_float` returns values divided by this (2 ** 14): multiply a sum of its products by it
+E2M1_PAIR_UNSCALE = 16384.0
+
+
+@triton.jit
+def e2m1_pair_to_float(packed):
+    """float32 ``(low, high)`` nibble values of MXFP4 bytes, each divided by 2 ** 14.
+
+    The nibble's three value bits go straight into a float16's exponent and leading mantissa
+    bits (sign to sign): ``s e1 e0 m`` is ``2**(e - 15) * (1 + m/2)`` there, or ``m * 2**-15``
+    for ``e = 0``, i.e. the e2m1 value times 2**-14, exactly. Five integer operations and a
+    conversion a nibble, against `e2m1_to_float`'s selects: the GEMV's decode is its cost.
+    """
+    code = packed.to(tl.int32)
+    low = (((code & 0x8) << 12) | ((code & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+    high = (((code & 0x80) << 8) | ((code & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+    return low.to(tl.float32), high.to(tl.float32)
 
 
 @triton.jit
@@ -152,7 +172,7 @@ def quant_operands(
     interleaved = scheme.gate_up == "interleaved"
     return QuantOperands(
         *projections, num_rows, hidden_size, inter_size,
-        format=_FORMAT_CODES[scheme.format],
+        format=FORMAT_CODES[scheme.format],
         activation=ACTIVATION_SWIGLU_OAI if scheme.activation == "swiglu_oai" else ACTIVATION_SILU,
         has_bias=scheme.has_bias, row_step=2 if interleaved else 1, up_offset=1 if interleaved else inter_size,
         alpha=float(scheme.alpha), limit=float(scheme.limit),

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import HAS_CUDA, devices
 from helpers import random_topk
 
 from expertcache import CachedWeightProvider
 from expertcache.kernels import moe_apply_quant, moe_apply_quant_grouped, moe_apply_quant_passes, moe_apply_quant_torch
 from expertcache.kernels.quant_apply import Tile, launch_down, launch_gate_up
-from expertcache.kernels.quant_common import quant_operands
+from expertcache.kernels.quant_common import E2M1_PAIR_UNSCALE, e2m1_pair_to_float, quant_operands
 from expertcache.quant import (
     FP8_BLOCK_128,
     FP8_PER_TENSOR,
@@ -31,6 +33,7 @@ from expertcache.quant import (
     unquantized,
     weights_of,
 )
+from expertcache.quant_mxfp4 import E2M1_VALUES
 
 SCHEMES = [
     pytest.param(FP8_PER_TENSOR, id="fp8-tensor"),
@@ -121,6 +124,24 @@ def test_gemv_matches_reference(device, dtype, tolerance, scheme, tokens, top_k,
     ours = moe_apply_quant(x, tensors, router, ids, scheme=scheme, invalid_ids=invalid)
     check(ours, moe_apply_quant_torch(x, tensors, router, ids, scheme=scheme), dtype, tolerance)
     assert invalid.item() == (1 if top_k > 1 else 0)
+
+
+@triton.jit
+def _decode_bytes(packed_ptr, low_ptr, high_ptr):
+    index = tl.arange(0, 256)
+    low, high = e2m1_pair_to_float(tl.load(packed_ptr + index))
+    tl.store(low_ptr + index, low * E2M1_PAIR_UNSCALE)
+    tl.store(high_ptr + index, high * E2M1_PAIR_UNSCALE)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_e2m1_pair_decode_is_exact_for_every_byte(device):
+    packed = torch.arange(256, dtype=torch.uint8, device=device)
+    low, high = torch.empty(256, device=device), torch.empty(256, device=device)
+    _decode_bytes[(1,)](packed, low, high)
+    table = torch.tensor(E2M1_VALUES, device=device)
+    for ours, codes in ((low, packed.long() & 0xF), (high, packed.long() >> 4)):
+        assert torch.equal(ours, table[codes]) and torch.equal(ours.signbit(), table[codes].signbit())
 
 
 # (gate_up, down) tiles beside the library's: both accumulations, steps shorter than a row
