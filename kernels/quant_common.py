@@ -40,7 +40,7 @@ def e2m1_to_float(nibbles):
 
 
 #: `e2m1_pair_to_float` returns values divided by this (2 ** 14): multiply a sum of its products by it
-E2M1_PAIR_UNSCALE = 16384.0
+E2M1_PAIR_UNSCALE = tl.constexpr(16384.0)
 
 
 @triton.jit
