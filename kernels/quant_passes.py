@@ -4,7 +4,7 @@
 writes the weighted output of its own (token, choice) pairs into one ``[T*K, H]`` fp32
 buffer (the first pass also zeroes the rows none of its ids serve), and the sum over k runs
 once, in k order, after the last pass. gate_up and down are `quant_apply`'s GEMV kernels,
-or `quant_grouped`'s tensor-core GEMMs from `QUANT_GROUPED_MIN_PAIRS` pairs on
+or `quant_grouped`'s tensor-core GEMMs from the format's `QUANT_GROUPED_MIN_PAIRS` pairs on
 (``kernel="auto"``), chosen once per call so that all its passes run the same kernels.
 """
 
@@ -16,17 +16,17 @@ import torch
 
 from expertcache.kernels.apply_passes import PassLaunch, sum_over_passes
 from expertcache.kernels.quant_apply import launch_quant_pairs
-from expertcache.kernels.quant_common import quant_operands
+from expertcache.kernels.quant_common import FORMAT_FP8, FORMAT_MXFP4, FORMAT_NONE, quant_operands
 from expertcache.kernels.quant_grouped import launch_quant_grouped_pairs, quant_tiles
 from expertcache.quant import QuantScheme, weights_of
 from expertcache.result import ExpertWeightResult
 
 KERNELS = ("auto", "gemv", "grouped")
 
-#: Pairs from which ``kernel="auto"`` takes the quantised grouped GEMMs: the float path's
-#: crossover before its GEMV got faster (c8c1257); the quantised GEMV kept its per-step
-#: reductions, so it keeps that crossover until it is measured again.
-QUANT_GROUPED_MIN_PAIRS = 32
+#: Pairs from which ``kernel="auto"`` takes the quantised grouped GEMMs, per format: where the
+#: whole apply's grouped GEMM overtook the GEMV on an H200 (bench_quant_gemv.py, runs 25-26:
+#: fp8 at Qwen3-30B-A3B's shape, MXFP4 and 16-bit at GPT-OSS-20B's; benchmarks/README.md).
+QUANT_GROUPED_MIN_PAIRS = {FORMAT_FP8: 64, FORMAT_MXFP4: 128, FORMAT_NONE: 16}
 
 
 def moe_apply_quant_passes(
@@ -48,7 +48,7 @@ def moe_apply_quant_passes(
         topk_weights: ``[T, K]`` router weights.
         scheme: the format and MLP (`expertcache.quant`).
         fp32_out: return the fp32 sum instead of rounding to ``hidden``'s dtype.
-        kernel: ``"auto"`` (grouped from `QUANT_GROUPED_MIN_PAIRS` pairs where the format allows
+        kernel: ``"auto"`` (grouped from the format's `QUANT_GROUPED_MIN_PAIRS` pairs where it allows
             it), ``"gemv"`` or ``"grouped"``.
 
     Returns:
@@ -77,7 +77,7 @@ def moe_apply_quant_passes(
 
 def _tiles_or_none(hidden, ops, num_pairs: int, kernel: str) -> tuple[int, ...] | None:
     """The grouped GEMM's tiles when this call takes it, else None (the GEMV)."""
-    if kernel == "gemv" or (kernel == "auto" and num_pairs < QUANT_GROUPED_MIN_PAIRS):
+    if kernel == "gemv" or (kernel == "auto" and num_pairs < QUANT_GROUPED_MIN_PAIRS[ops.format]):
         return None
     try:
         return quant_tiles(hidden, ops, num_pairs)

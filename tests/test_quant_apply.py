@@ -21,7 +21,8 @@ from helpers import random_topk
 from expertcache import CachedWeightProvider
 from expertcache.kernels import moe_apply_quant, moe_apply_quant_grouped, moe_apply_quant_passes, moe_apply_quant_torch
 from expertcache.kernels.quant_apply import Tile, launch_down, launch_gate_up
-from expertcache.kernels.quant_common import E2M1_PAIR_UNSCALE, e2m1_pair_to_float, quant_operands
+from expertcache.kernels.quant_common import E2M1_PAIR_UNSCALE, FORMAT_CODES, e2m1_pair_to_float, quant_operands
+from expertcache.kernels.quant_passes import QUANT_GROUPED_MIN_PAIRS
 from expertcache.quant import (
     FP8_BLOCK_128,
     FP8_PER_TENSOR,
@@ -357,11 +358,12 @@ def test_bad_inputs_raise(device):
     odd_tensors = {name: t.to(device) for name, t in quantize_experts(odd, *floats).items()}
     with pytest.raises(NotImplementedError, match="scale blocks"):
         moe_apply_quant_grouped(x, odd_tensors, router, ids, scheme=odd)
-    many = torch.randint(0, 3, (20, 2), device=device)  # "auto" would take the grouped GEMM: falls back
-    x20, router20 = torch.randn(20, 32, device=device), torch.rand(20, 2, device=device)
+    tokens = QUANT_GROUPED_MIN_PAIRS[FORMAT_CODES["fp8"]] // 2  # "auto" would take the grouped GEMM: falls back
+    many = torch.randint(0, 3, (tokens, 2), device=device)
+    x_many, router_many = torch.randn(tokens, 32, device=device), torch.rand(tokens, 2, device=device)
     result = CachedWeightProvider(odd_tensors, cache_size=3, device=device).prepare(many)
-    torch.testing.assert_close(moe_apply_quant_passes(x20, [result], router20, scheme=odd),
-                               moe_apply_quant_torch(x20, odd_tensors, router20, many, scheme=odd))  # fmt: skip
+    torch.testing.assert_close(moe_apply_quant_passes(x_many, [result], router_many, scheme=odd),
+                               moe_apply_quant_torch(x_many, odd_tensors, router_many, many, scheme=odd))  # fmt: skip
 
 
 # ---- GPU: model-sized shapes -------------------------------------------------------------
