@@ -1,4 +1,5 @@
-"""Test set-up: Triton kernels run interpreted on CPU-only machines; GPU tests are marked.
+"""Test set-up: Triton kernels run interpreted on CPU-only machines; GPU tests are marked; the
+suite runs over pytest-xdist workers when it is installed.
 
 ``TRITON_INTERPRET`` must be set before any kernel module is imported, so it happens here,
 before the test modules import expertcache.
@@ -15,6 +16,16 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """With pytest-xdist installed (the ``test`` extra) and no ``-n`` given, spread the suite
+    over one worker per CPU (``-n auto``): the README's test command and CI take a fraction of
+    the serial time. ``-n 0`` (or ``-p no:xdist``) runs it serially; workers never fan out again."""
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        if config.getoption("numprocesses", None) is None and not config.getoption("collectonly"):
+            config.option.numprocesses = "auto"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
