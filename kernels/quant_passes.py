@@ -26,7 +26,7 @@ KERNELS = ("auto", "gemv", "grouped")
 #: Pairs from which ``kernel="auto"`` takes the quantised grouped GEMMs, per format: where the
 #: grouped GEMM overtook the GEMV on an H200 (bench_quant_gemv.py, runs 25-26; fp8 at
 #: Qwen3-30B-A3B's shape, MXFP4 and 16-bit at GPT-OSS-20B's; benchmarks/README.md): the GEMV
-#: was faster at 64 / 64 / 8 pairs, the grouped GEMM at 128 / 128 / 32 (16-bit: even at 16).
+#: was faster at 64 / 64 / 8 pairs, the grouped GEMM at 128 / 128 / 32 (16-bit: equal at 16).
 QUANT_GROUPED_MIN_PAIRS = {FORMAT_FP8: 128, FORMAT_MXFP4: 128, FORMAT_NONE: 16}
 
 
