@@ -11,9 +11,10 @@ next one), side by side in one process::
 Variants per format and T:
 
     gate_up, down          `quant_apply`'s kernels (`launch_gate_up`, `launch_down`) at every
-                           tile tried: output rows, the longest K step, warps, and whether the
-                           scaled products are reduced after every step ("per step") or
-                           accumulated elementwise and reduced once ("once")
+                           tile tried: output rows, the longest K piece (fp8: inside a scale
+                           column), pieces a step (fp8, 16-bit: "16x128x4" = 4 pieces of 128),
+                           warps, and whether the scaled products are reduced after every step
+                           ("per step") or accumulated elementwise and reduced once ("once")
     moe_apply_quant_passes the whole apply with the library's tiles (`GATE_UP_TILES`, `DOWN_TILES`),
                            GEMV and grouped GEMM
 
@@ -22,7 +23,7 @@ measured HBM rate (a 2 GiB device-to-device copy, read + written). Prints the fa
 each kernel per (format, T), the library's tiles, and appends every row to
 `results/bench_quant_gemv.csv`.
 
-    python benchmarks/bench_quant_gemv.py [--tokens 1 2 4 8 16] [--formats ...] [--quick]
+    python benchmarks/bench_quant_gemv.py [--tokens 1 2 4 8 16] [--formats fp8 mxfp4 bf16] [--quick]
 """
 
 from __future__ import annotations
@@ -78,15 +79,27 @@ def expert_bytes(tensors: dict[str, torch.Tensor], prefix: str) -> int:
     return sum(t[0].numel() * t.element_size() for name, t in tensors.items() if name.startswith(prefix))
 
 
-def tiles(quick: bool) -> list[Tile]:
-    """The tiles tried for each kernel: the library's, the tile before the sweep, and a grid."""
+def tiles(quick: bool, pieces: bool) -> list[Tile]:
+    """The tiles tried for each kernel: the library's, the tile before the sweep, and a grid;
+    with ``pieces`` (fp8, 16-bit) also K steps of 2 and 4 pieces."""
     if quick:
         grid = [Tile(8, 128, 8, True), Tile(16, 256, 4, True)]
+        grid += [Tile(16, 128, 8, True, chunks=4)] if pieces else []
     else:
         shapes = itertools.product((4, 8, 16, 32), (64, 128, 256), (4, 8))
         grid = [Tile(rows, step, warps, True) for rows, step, warps in shapes if rows * step <= 1024 * warps]
+        if pieces:
+            shapes = itertools.product((8, 16, 32), (2, 4), (4, 8))
+            grid += [Tile(rows, 128, warps, True, chunks) for rows, chunks, warps in shapes
+                     if rows * 128 * chunks <= 1024 * warps]  # fmt: skip
     seen = {*GATE_UP_TILES.values(), *DOWN_TILES.values(), Tile(16, 256, 4, False)}
     return sorted(seen | set(grid))
+
+
+def tile_name(tile: Tile) -> str:
+    """``rows x piece [x pieces] w warps, once | per step``, e.g. ``16x128x4 w8 once``."""
+    pieces = f"x{tile.chunks}" if tile.chunks > 1 else ""
+    return f"{tile.rows}x{tile.max_step}{pieces} w{tile.warps} {'once' if tile.sum_once else 'per step'}"
 
 
 def rows_for(label: str, shape: dict, tensors: dict, tokens: int, hbm: float, candidates: list[Tile]) -> list[dict]:
@@ -118,7 +131,7 @@ def rows_for(label: str, shape: dict, tensors: dict, tokens: int, hbm: float, ca
     for kernel in ("gemv", "grouped"):
         record(f"moe_apply_quant_passes {kernel}", "", functools.partial(whole, kernel=kernel), w1_bytes + w2_bytes)
     for tile in candidates:
-        name = "{}x{} w{} {}".format(tile.rows, tile.max_step, tile.warps, "once" if tile.sum_once else "per step")
+        name = tile_name(tile)
         record("gate_up", name, lambda c, t=tile: launch_gate_up(hidden[c], ops[c], ids[c], act, t), w1_bytes)
         record("down", name, lambda c, t=tile: launch_down(act, ops[c], ids[c], router[c], part, True, t), w2_bytes)
     return rows
@@ -127,7 +140,8 @@ def rows_for(label: str, shape: dict, tensors: dict, tokens: int, hbm: float, ca
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    short = {label.split()[0]: label for label in FORMATS}  # fp8, mxfp4, bf16
+    parser.add_argument("--formats", nargs="+", choices=list(short), default=list(short))
     parser.add_argument("--quick", action="store_true", help="a few tiles only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -138,12 +152,12 @@ def main() -> int:
         return 2
     device = torch.device("cuda")
     hbm = hbm_gbps()
-    candidates = tiles(args.quick)
     rows = []
-    for label in args.formats:
+    for label in (short[name] for name in args.formats):
         shape = FORMATS[label]
         tensors = experts_of(shape, device)
         for tokens in args.tokens:
+            candidates = tiles(args.quick, pieces=shape["scheme"].format != "mxfp4")
             rows += rows_for(label, shape, tensors, tokens, hbm, candidates)
             print(f"  {label} T={tokens} done", flush=True)
         del tensors
@@ -155,9 +169,8 @@ def main() -> int:
             best[key] = entry
         code = FORMAT_CODES[FORMATS[entry["format"]]["scheme"].format]
         tile = {"gate_up": GATE_UP_TILES[code], "down": DOWN_TILES[code]}.get(entry["variant"])
-        if tile is not None and entry["tile"].startswith(f"{tile.rows}x{tile.max_step} w{tile.warps} "):
-            if entry["tile"].endswith("once") == tile.sum_once:
-                library.append(entry)
+        if tile is not None and entry["tile"] == tile_name(tile):
+            library.append(entry)
     print("CSV:", append_csv("bench_quant_gemv", [{**entry, "hbm_gbps": hbm} for entry in rows]))
     columns = ["format", "tokens", "variant", "tile", "us", "bound_us", "ratio"]
     print(f"HBM {hbm:.0f} GB/s (read + written); bf16 tokens, graphed; fastest tile per kernel:")

@@ -49,14 +49,17 @@ from expertcache.result import ExpertWeightResult
 
 
 class Tile(NamedTuple):
-    """A GEMV launch's tile: output rows per program, the most columns a K step takes
-    (`quant_common.reduction_block` may take fewer), warps, and whether products are
-    accumulated elementwise and reduced once after the loop (else after every step)."""
+    """A GEMV launch's tile: output rows per program, the most columns a K piece takes
+    (`quant_common.reduction_block` may take fewer: an fp8 piece ends inside one scale
+    column), warps, whether products are accumulated elementwise and reduced once after the
+    loop (else after every step), and pieces per K step (fp8 and 16-bit weights; each piece
+    has its own scale, so a step may span several scale columns)."""
 
     rows: int
     max_step: int
     warps: int
     sum_once: bool
+    chunks: int = 1
 
 
 # Per format, the tiles with the best geometric mean over T = 1..8 on an H200 (run 25,
@@ -79,12 +82,17 @@ DOWN_TILES = {
 def _rows_times_vector(
     w_ptr, scale_ptr, x_ptr, rows, row_mask, columns, stride_row, stride_scale_row, scale_rows, scale_cols,
     FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SUM_ONCE: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """``[BLOCK_R]`` fp32: decoded ``W[rows] @ x`` of one expert (``w_ptr``, ``scale_ptr`` at it).
     ``SUM_ONCE``: scaled products accumulate elementwise, reduced once after the loop (a
     reduction per step can stall the loads behind it); else each step's sum is scaled and added."""
     rows64 = rows.to(tl.int64)
-    if FORMAT != 1:  # fp8: one scale per row in a step; unquantised (2): no scale
+    if FORMAT != 1 and CHUNKS > 1:
+        result = _pieces_times_vector(w_ptr, scale_ptr, x_ptr, rows64, row_mask, columns, stride_row,
+                                      stride_scale_row, scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_R, SUM_ONCE,
+                                      CHUNKS)  # fmt: skip
+    elif FORMAT != 1:  # fp8: one scale per row in a step; unquantised (2): no scale
         scale_row = scale_ptr + (rows64 // scale_rows) * stride_scale_row
         if SUM_ONCE:
             acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
@@ -140,13 +148,53 @@ def _rows_times_vector(
 
 
 @triton.jit
+def _pieces_times_vector(
+    w_ptr, scale_ptr, x_ptr, rows64, row_mask, columns, stride_row, stride_scale_row, scale_rows, scale_cols,
+    FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SUM_ONCE: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """`_rows_times_vector` for fp8 / 16-bit weights in K steps of ``CHUNKS`` pieces of
+    ``BLOCK_K`` columns (``[BLOCK_R, CHUNKS, BLOCK_K]`` tiles), each piece inside one scale
+    column: more bytes in flight a step than one piece when scale columns are narrow."""
+    scale_row = scale_ptr + (rows64 // scale_rows) * stride_scale_row
+    pieces = tl.arange(0, CHUNKS)
+    inner = tl.arange(0, BLOCK_K)
+    if SUM_ONCE:
+        acc = tl.zeros([BLOCK_R, CHUNKS, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start in range(0, columns, CHUNKS * BLOCK_K):
+        firsts = start + pieces * BLOCK_K  # [CHUNKS] first column of each piece
+        cols = firsts[:, None] + inner[None, :]
+        col_mask = cols < columns
+        x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        mask = row_mask[:, None, None] & col_mask[None, :, :]
+        w = tl.load(w_ptr + rows64[:, None, None] * stride_row + cols[None, :, :], mask=mask, other=0.0)
+        w = w.to(tl.float32)
+        if FORMAT == 0:
+            scale_mask = row_mask[:, None] & (firsts < columns)[None, :]
+            scale = tl.load(scale_row[:, None] + (firsts // scale_cols)[None, :], mask=scale_mask, other=0.0)
+            scale = scale.to(tl.float32)
+        else:
+            scale = tl.full([BLOCK_R, CHUNKS], 1.0, dtype=tl.float32)
+        if SUM_ONCE:
+            acc += w * x[None, :, :] * scale[:, :, None]
+        else:
+            acc += tl.sum(tl.sum(w * x[None, :, :], axis=2) * scale, axis=1)
+    if SUM_ONCE:
+        result = tl.sum(tl.sum(acc, axis=2), axis=1)
+    else:
+        result = acc
+    return result
+
+
+@triton.jit
 def _gate_up_kernel(
     hidden_ptr, ids_ptr, act_ptr,
     w_ptr, scale_ptr, bias_ptr, stride_expert, stride_row, stride_scale_expert, stride_scale_row, stride_bias,
     scale_rows, scale_cols,
     hidden_size, inter_size, top_k, num_rows, stride_token, row_step, up_offset, alpha, limit,
     FORMAT: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, SUM_ONCE: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, SUM_ONCE: tl.constexpr, CHUNKS: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     outputs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -160,10 +208,10 @@ def _gate_up_kernel(
         w = w_ptr + expert * stride_expert
         scales = scale_ptr + expert * stride_scale_expert
         gate = _rows_times_vector(w, scales, x_row, gate_rows, mask, hidden_size, stride_row, stride_scale_row,
-                                  scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_I, SUM_ONCE)  # fmt: skip
+                                  scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_I, SUM_ONCE, CHUNKS)  # fmt: skip
         up_rows = gate_rows + up_offset
         up = _rows_times_vector(w, scales, x_row, up_rows, mask, hidden_size, stride_row, stride_scale_row,
-                                scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_I, SUM_ONCE)  # fmt: skip
+                                scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_I, SUM_ONCE, CHUNKS)  # fmt: skip
         if HAS_BIAS:
             bias = bias_ptr + expert * stride_bias
             gate += tl.load(bias + gate_rows, mask=mask, other=0.0).to(tl.float32)
@@ -179,7 +227,7 @@ def _down_kernel(
     scale_rows, scale_cols,
     hidden_size, inter_size, num_rows,
     FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    SUM_ONCE: tl.constexpr, WRITE_ALL: tl.constexpr,
+    SUM_ONCE: tl.constexpr, CHUNKS: tl.constexpr, WRITE_ALL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -190,7 +238,7 @@ def _down_kernel(
     if served:
         acc = _rows_times_vector(w_ptr + expert * stride_expert, scale_ptr + expert * stride_scale_expert,
                                  act_ptr + pair * inter_size, rows, mask, inter_size, stride_row, stride_scale_row,
-                                 scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_H, SUM_ONCE)  # fmt: skip
+                                 scale_rows, scale_cols, FORMAT, BLOCK_K, BLOCK_H, SUM_ONCE, CHUNKS)  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(bias_ptr + expert * stride_bias + rows, mask=mask, other=0.0).to(tl.float32)
         acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
@@ -274,7 +322,7 @@ def launch_gate_up(hidden, ops: QuantOperands, ids, act, tile: Tile) -> None:
         ops.hidden_size, ops.inter_size, ids.shape[1], ops.num_rows, hidden.stride(0), ops.row_step, ops.up_offset,
         ops.alpha, ops.limit, FORMAT=ops.format, ACTIVATION=ops.activation, HAS_BIAS=ops.has_bias,
         BLOCK_I=tile.rows, BLOCK_K=reduction_block(ops.w1, ops.format, tile.max_step), SUM_ONCE=tile.sum_once,
-        num_warps=tile.warps,
+        CHUNKS=tile.chunks, num_warps=tile.warps,
     )  # fmt: skip
 
 
@@ -283,8 +331,8 @@ def launch_down(act, ops: QuantOperands, ids, weights, part, write_all: bool, ti
     _down_kernel[(ids.numel(), triton.cdiv(ops.hidden_size, tile.rows))](
         act, ids, weights, part, *ops.w2.args(), ops.hidden_size, ops.inter_size, ops.num_rows,
         FORMAT=ops.format, HAS_BIAS=ops.has_bias, BLOCK_H=tile.rows,
-        BLOCK_K=reduction_block(ops.w2, ops.format, tile.max_step), SUM_ONCE=tile.sum_once, WRITE_ALL=write_all,
-        num_warps=tile.warps,
+        BLOCK_K=reduction_block(ops.w2, ops.format, tile.max_step), SUM_ONCE=tile.sum_once, CHUNKS=tile.chunks,
+        WRITE_ALL=write_all, num_warps=tile.warps,
     )  # fmt: skip
 
 

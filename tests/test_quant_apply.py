@@ -150,6 +150,9 @@ TILES = [
     pytest.param((Tile(4, 16, 4, True), Tile(8, 32, 4, False)), id="sum-once-gate"),
     pytest.param((Tile(8, 64, 8, False), Tile(4, 16, 4, True)), id="sum-once-down"),
     pytest.param((Tile(16, 256, 4, True), Tile(32, 256, 8, True)), id="sum-once-both"),
+    # K steps of several pieces, each with its own scale (fp8 and 16-bit; MXFP4 ignores chunks)
+    pytest.param((Tile(4, 16, 4, True, chunks=4), Tile(8, 16, 4, False, chunks=2)), id="pieces"),
+    pytest.param((Tile(8, 32, 4, False, chunks=4), Tile(16, 64, 8, True, chunks=2)), id="pieces-swapped"),
 ]
 
 
