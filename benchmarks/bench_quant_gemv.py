@@ -15,7 +15,7 @@ Variants per format and T:
                            column), pieces a step (fp8, 16-bit: "16x128x4" = 4 pieces of 128),
                            warps, and whether the scaled products are reduced after every step
                            ("per step") or accumulated elementwise and reduced once ("once")
-    moe_apply_quant_passes the whole apply with the library's tiles (`GATE_UP_TILES`, `DOWN_TILES`),
+    moe_apply_quant_passes the whole apply with the library's tiles (`gate_up_tile`, `DOWN_TILES`),
                            GEMV and grouped GEMM
 
 Bound: the bytes of the distinct experts a launch reads (weights, scales, biases) / the
@@ -42,7 +42,15 @@ from bench_apply import hbm_gbps  # noqa: E402
 from bench_gemv_tiles import graphed_us  # noqa: E402
 
 from expertcache.kernels import moe_apply_quant_passes  # noqa: E402
-from expertcache.kernels.quant_apply import DOWN_TILES, GATE_UP_TILES, Tile, launch_down, launch_gate_up  # noqa: E402
+from expertcache.kernels.quant_apply import (  # noqa: E402
+    DOWN_TILES,
+    GATE_UP_TILES,
+    SMALL_CALL_GATE_UP_TILES,
+    Tile,
+    gate_up_tile,
+    launch_down,
+    launch_gate_up,
+)
 from expertcache.kernels.quant_common import FORMAT_CODES, quant_operands  # noqa: E402
 from expertcache.provider import result_from_tensors  # noqa: E402
 from expertcache.quant import FP8_BLOCK_128, GPT_OSS_BF16, GPT_OSS_MXFP4, quantize_experts  # noqa: E402
@@ -92,7 +100,8 @@ def tiles(quick: bool, pieces: bool) -> list[Tile]:
             shapes = itertools.product((8, 16, 32), (2, 4), (4, 8))
             grid += [Tile(rows, 128, warps, True, chunks) for rows, chunks, warps in shapes
                      if rows * 128 * chunks <= 1024 * warps]  # fmt: skip
-    seen = {*GATE_UP_TILES.values(), *DOWN_TILES.values(), Tile(16, 256, 4, False)}
+    tables = (GATE_UP_TILES, SMALL_CALL_GATE_UP_TILES, DOWN_TILES)
+    seen = {tile for table in tables for tile in table.values()} | {Tile(16, 256, 4, False)}
     return sorted(seen | set(grid))
 
 
@@ -168,14 +177,14 @@ def main() -> int:
         if key not in best or entry["us"] < best[key]["us"]:
             best[key] = entry
         code = FORMAT_CODES[FORMATS[entry["format"]]["scheme"].format]
-        tile = {"gate_up": GATE_UP_TILES[code], "down": DOWN_TILES[code]}.get(entry["variant"])
+        tile = {"gate_up": gate_up_tile(code, entry["tokens"]), "down": DOWN_TILES[code]}.get(entry["variant"])
         if tile is not None and entry["tile"] == tile_name(tile):
             library.append(entry)
     print("CSV:", append_csv("bench_quant_gemv", [{**entry, "hbm_gbps": hbm} for entry in rows]))
     columns = ["format", "tokens", "variant", "tile", "us", "bound_us", "ratio"]
     print(f"HBM {hbm:.0f} GB/s (read + written); bf16 tokens, graphed; fastest tile per kernel:")
     print_table(list(best.values()), columns)
-    print("the library's tiles (`quant_apply.GATE_UP_TILES`, `DOWN_TILES`):")
+    print("the library's tiles (`quant_apply.gate_up_tile`, `DOWN_TILES`):")
     print_table(library, columns)
     return 0
 

@@ -17,7 +17,7 @@ of two dividing it), so the scale is one value per row (unquantised weights: fp8
 scale, steps of up to 256 columns); MXFP4 steps cover whole groups of 32 (``[rows, groups,
 16]`` byte tiles, even and odd columns apart, one scale per row and group). The scaled
 products are reduced after every step or accumulated elementwise and reduced once, as each
-kernel's tile for the format says (`GATE_UP_TILES`, `DOWN_TILES`, `Tile`).
+kernel's tile for the format (and call size) says (`gate_up_tile`, `DOWN_TILES`, `Tile`).
 Ids outside ``[0, N)`` (-1 included) contribute nothing and read nothing.
 """
 
@@ -62,10 +62,9 @@ class Tile(NamedTuple):
     chunks: int = 1
 
 
-# Per format, the tiles with the best geometric mean over T = 1..8 on an H200 (run 25,
+# Per format, the tiles with the best geometric mean over T = 1..8 on an H200 (runs 25 and 27,
 # benchmarks/bench_quant_gemv.py; benchmarks/README.md). The tile before the sweep, Tile(16, 256,
-# 4, sum_once=False), stays where it won: fp8 (its K steps end at each 128-column scale block)
-# and MXFP4's down.
+# 4, sum_once=False), stays where it won: fp8 from T = 4 and fp8's down, MXFP4's down.
 GATE_UP_TILES = {
     FORMAT_FP8: Tile(rows=16, max_step=256, warps=4, sum_once=False),
     FORMAT_MXFP4: Tile(rows=16, max_step=256, warps=4, sum_once=True),
@@ -76,6 +75,18 @@ DOWN_TILES = {
     FORMAT_MXFP4: Tile(rows=16, max_step=256, warps=4, sum_once=False),
     FORMAT_NONE: Tile(rows=32, max_step=256, warps=8, sum_once=True),
 }
+#: Calls of at most this many tokens take `SMALL_CALL_GATE_UP_TILES` where the format has one:
+#: fp8's gate_up at T = 1 / 2 takes 14.5 / 25.8 us with steps of four 128-column pieces
+#: (27.1 / 30.1 with the tile above), and is slower from T = 4 (47.9 against 41.9; run 27).
+SMALL_CALL_TOKENS = 2
+SMALL_CALL_GATE_UP_TILES = {FORMAT_FP8: Tile(rows=8, max_step=128, warps=4, sum_once=True, chunks=4)}
+
+
+def gate_up_tile(format: int, tokens: int) -> Tile:
+    """The gate_up tile of a call of ``tokens`` tokens in the kernels' ``format`` code."""
+    if tokens <= SMALL_CALL_TOKENS and format in SMALL_CALL_GATE_UP_TILES:
+        return SMALL_CALL_GATE_UP_TILES[format]
+    return GATE_UP_TILES[format]
 
 
 @triton.jit
@@ -311,7 +322,7 @@ def moe_apply_quant_torch(
 def launch_quant_pairs(hidden, ops: QuantOperands, ids, weights, act, part, write_all: bool) -> None:
     """gate_up and down over every (token, choice): ``part[t*K + k]`` = weighted expert
     output for ids in ``[0, N)``; other rows get zeros (``write_all``) or stay as they were."""
-    launch_gate_up(hidden, ops, ids, act, GATE_UP_TILES[ops.format])
+    launch_gate_up(hidden, ops, ids, act, gate_up_tile(ops.format, ids.shape[0]))
     launch_down(act, ops, ids, weights, part, write_all, DOWN_TILES[ops.format])
 
 
