@@ -71,6 +71,15 @@ def _gate_up_per_step_sum(
     tl.store(act_ptr + pair * inter_size + rows, act, mask=row_mask)
 
 
+def usage_problem(tokens: list[int]) -> str | None:
+    """Why a tile sweep over ``tokens`` cannot run here (no GPU, a count below 1), or None."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if any(t < 1 for t in tokens):
+        return "--tokens must be >= 1"
+    return None
+
+
 def graphed_us(calls) -> float:
     """Median microseconds per call of ``calls`` (a list of thunks) captured in one CUDA graph."""
     side = torch.cuda.Stream()
@@ -154,11 +163,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--quick", action="store_true", help="a few tiles only")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_gemv_tiles.py: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    if any(t < 1 for t in args.tokens):
-        print("bench_gemv_tiles.py: --tokens must be >= 1", file=sys.stderr)
+    problem = usage_problem(args.tokens)
+    if problem:
+        print(f"bench_gemv_tiles.py: {problem}", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     w1 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=device) * 0.02).to(torch.bfloat16)

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import append_csv, print_table  # noqa: E402
 from bench_apply import hbm_gbps  # noqa: E402
-from bench_gemv_tiles import graphed_us  # noqa: E402
+from bench_gemv_tiles import graphed_us, usage_problem  # noqa: E402
 
 from expertcache.kernels import moe_apply_quant_passes  # noqa: E402
 from expertcache.kernels.quant_apply import (  # noqa: E402
@@ -153,11 +153,9 @@ def main() -> int:
     parser.add_argument("--formats", nargs="+", choices=list(short), default=list(short))
     parser.add_argument("--quick", action="store_true", help="a few tiles only")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_quant_gemv.py: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    if any(t < 1 for t in args.tokens):
-        print("bench_quant_gemv.py: --tokens must be >= 1", file=sys.stderr)
+    problem = usage_problem(args.tokens)
+    if problem:
+        print(f"bench_quant_gemv.py: {problem}", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     hbm = hbm_gbps()
