@@ -48,18 +48,18 @@ def test_rows_count_the_distinct_experts_bytes(bench, monkeypatch, device, label
     launches = []
     monkeypatch.setattr(bench, "graphed_us", lambda calls: launches.append(calls[0]() or 1) or 2.0)
     monkeypatch.setattr(bench, "CALLS", 2)
-    shape = dict(bench.FORMATS[label], experts=4, hidden=256, inter=64, top_k=2)
+    shape = dict(bench.FORMATS[label], experts=4, hidden=64, inter=32, top_k=2)
     tensors = bench.experts_of(shape, torch.device(device))
     candidates = bench.tiles(True, pieces=label != "mxfp4 gpt-oss")
     rows = bench.rows_for(label, shape, tensors, 3, 1000.0, candidates)
     assert len(rows) == len(launches) == 2 + 2 * len(candidates)
     assert [row["variant"] for row in rows[:2]] == ["moe_apply_quant_passes gemv", "moe_apply_quant_passes grouped"]
     w1, w2 = bench.expert_bytes(tensors, "w1"), bench.expert_bytes(tensors, "w2")
-    # one expert's gate/up rows (2I = 128 of H = 256) and down rows (H = 256 of I = 64), by format
+    # one expert's gate/up rows (2I = 64 of H = 64) and down rows (H = 64 of I = 32), by format
     expected = {
-        "fp8 qwen3": (128 * 256 + 1 * 2 * 4, 256 * 64 + 2 * 1 * 4),  # e4m3 + fp32 128x128 block scales
-        "mxfp4 gpt-oss": (128 * 8 * 16 + 128 * 8 + 128 * 4, 256 * 2 * 16 + 256 * 2 + 256 * 4),  # blocks, e8m0, bias
-        "bf16 gpt-oss": (128 * 256 * 2 + 128 * 4, 256 * 64 * 2 + 256 * 4),  # weights + fp32 biases
+        "fp8 qwen3": (64 * 64 + 4, 64 * 32 + 4),  # e4m3 + one fp32 128x128 block scale
+        "mxfp4 gpt-oss": (64 * 2 * 16 + 64 * 2 + 64 * 4, 64 * 1 * 16 + 64 * 1 + 64 * 4),  # blocks, e8m0, bias
+        "bf16 gpt-oss": (64 * 64 * 2 + 64 * 4, 64 * 32 * 2 + 64 * 4),  # weights + fp32 biases
     }
     assert (w1, w2) == expected[label]
     for row in rows:
