@@ -12,10 +12,11 @@ the same MLP options, so one model's formats run the same kernels). Like
     down     grid (T*K, H/BLOCK_H):  part[t,k] = topk_weight[t,k] * (W2[e] @ act[t,k] + b2)  fp32
     sum_k    grid (T, H/256):        out[t]    = sum over k of part[t,k], in k order
 
-Each K step decodes a ``[rows, step]`` tile: fp8 steps lie inside one scale column (a power
-of two dividing it), so the scale is one value per row (unquantised weights: fp8's path, no
-scale, steps of up to 256 columns); MXFP4 steps cover whole groups of 32 (``[rows, groups,
-16]`` byte tiles, even and odd columns apart, one scale per row and group). The scaled
+Each K step decodes a ``[rows, step]`` tile, or ``[rows, pieces, piece]`` (`Tile.chunks`): an
+fp8 piece lies inside one scale column (a power of two dividing it), so its scale is one value
+per row (unquantised weights: fp8's path, no scale, pieces of up to 256 columns); MXFP4 steps
+cover whole groups of 32 (``[rows, groups, 16]`` byte tiles, even and odd columns apart, one
+scale per row and group). The scaled
 products are reduced after every step or accumulated elementwise and reduced once, as each
 kernel's tile for the format (and call size) says (`gate_up_tile`, `DOWN_TILES`, `Tile`).
 Ids outside ``[0, N)`` (-1 included) contribute nothing and read nothing.
