@@ -102,7 +102,7 @@ def tiles(quick: bool, pieces: bool) -> list[Tile]:
                      if rows * 128 * chunks <= 1024 * warps]  # fmt: skip
     tables = (GATE_UP_TILES, SMALL_CALL_GATE_UP_TILES, DOWN_TILES)
     seen = {tile for table in tables for tile in table.values()} | {Tile(16, 256, 4, False)}
-    return sorted(seen | set(grid))
+    return sorted(tile for tile in seen | set(grid) if pieces or tile.chunks == 1)
 
 
 def tile_name(tile: Tile) -> str:

@@ -329,6 +329,7 @@ def launch_quant_pairs(hidden, ops: QuantOperands, ids, weights, act, part, writ
 
 def launch_gate_up(hidden, ops: QuantOperands, ids, act, tile: Tile) -> None:
     """``act`` ``[T*K, I]`` fp32: the activated gate/up products of every (token, choice)."""
+    _check_tile(tile, ops.format)
     _gate_up_kernel[(ids.numel(), triton.cdiv(ops.inter_size, tile.rows))](
         hidden, ids, act, *ops.w1.args(),
         ops.hidden_size, ops.inter_size, ids.shape[1], ops.num_rows, hidden.stride(0), ops.row_step, ops.up_offset,
@@ -340,12 +341,23 @@ def launch_gate_up(hidden, ops: QuantOperands, ids, act, tile: Tile) -> None:
 
 def launch_down(act, ops: QuantOperands, ids, weights, part, write_all: bool, tile: Tile) -> None:
     """``part`` ``[T*K, H]`` fp32: each (token, choice)'s down projection times its router weight."""
+    _check_tile(tile, ops.format)
     _down_kernel[(ids.numel(), triton.cdiv(ops.hidden_size, tile.rows))](
         act, ids, weights, part, *ops.w2.args(), ops.hidden_size, ops.inter_size, ops.num_rows,
         FORMAT=ops.format, HAS_BIAS=ops.has_bias, BLOCK_H=tile.rows,
         BLOCK_K=reduction_block(ops.w2, ops.format, tile.max_step), SUM_ONCE=tile.sum_once, CHUNKS=tile.chunks,
         WRITE_ALL=write_all, num_warps=tile.warps,
     )  # fmt: skip
+
+
+def _check_tile(tile: Tile, format: int) -> None:
+    """A tile the kernels can take: powers of two, and pieces only where the format has them."""
+    sizes = {"rows": tile.rows, "max_step": tile.max_step, "warps": tile.warps, "chunks": tile.chunks}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or size < 1 or size & (size - 1):
+            raise ValueError(f"Tile.{name} must be a power of two, got {size!r}")
+    if format == FORMAT_MXFP4 and tile.chunks != 1:
+        raise ValueError(f"MXFP4 steps are whole groups of 32: Tile.chunks must be 1, got {tile.chunks}")
 
 
 def _check_counter(invalid_ids: torch.Tensor | None, device: torch.device) -> None:

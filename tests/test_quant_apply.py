@@ -150,7 +150,7 @@ TILES = [
     pytest.param((Tile(4, 16, 4, True), Tile(8, 32, 4, False)), id="sum-once-gate"),
     pytest.param((Tile(8, 64, 8, False), Tile(4, 16, 4, True)), id="sum-once-down"),
     pytest.param((Tile(16, 256, 4, True), Tile(32, 256, 8, True)), id="sum-once-both"),
-    # K steps of several pieces, each with its own scale (fp8 and 16-bit; MXFP4 ignores chunks)
+    # K steps of several pieces, each with its own scale (fp8 and 16-bit; MXFP4 runs them as one piece)
     pytest.param((Tile(4, 16, 4, True, chunks=4), Tile(8, 16, 4, False, chunks=2)), id="pieces"),
     pytest.param((Tile(8, 32, 4, False, chunks=4), Tile(16, 64, 8, True, chunks=2)), id="pieces-swapped"),
 ]
@@ -161,6 +161,8 @@ TILES = [
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_every_gemv_tile_matches_reference(device, tiles, scheme):
     tokens, top_k, num_experts, hidden, inter = SHAPES[-1]  # several K steps, ragged rows
+    if scheme.format == "mxfp4":  # its steps are whole groups: no pieces
+        tiles = tuple(tile._replace(chunks=1) for tile in tiles)
     x, tensors, router, ids = call(scheme, tokens, top_k, num_experts, hidden, inter, dtype=torch.float32,
                                    device=device)  # fmt: skip
     ops = quant_operands(x, tensors, router, ids, scheme)
@@ -172,6 +174,26 @@ def test_every_gemv_tile_matches_reference(device, tiles, scheme):
     ours = (part.view(tokens, top_k, hidden) * served[..., None]).sum(1)  # skipped rows are zeros
     assert not part.isnan().any()
     check(ours, moe_apply_quant_torch(x, tensors, router, ids, scheme=scheme), torch.float32, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "tile, scheme, match",
+    [
+        (Tile(12, 128, 4, True), FP8_BLOCK_128, "rows must be a power of two"),
+        (Tile(8, 128, 4, True, chunks=3), FP8_BLOCK_128, "chunks must be a power of two"),
+        (Tile(8, 256, 4, True, chunks=2), GPT_OSS_MXFP4, "chunks must be 1"),  # would be ignored
+    ],
+)
+@pytest.mark.parametrize("device", devices())
+def test_a_tile_the_kernels_cannot_take_is_refused(device, tile, scheme, match):
+    x, tensors, router, ids = call(scheme, 2, 2, 3, 64, 32, dtype=torch.float32, device=device)
+    ops = quant_operands(x, tensors, router, ids, scheme)
+    act = torch.full((ids.numel(), 32), 7.0, device=device)
+    with pytest.raises(ValueError, match=match):
+        launch_gate_up(x, ops, ids, act, tile)
+    with pytest.raises(ValueError, match=match):
+        launch_down(act, ops, ids, router, torch.empty(ids.numel(), 64, device=device), True, tile)
+    assert (act == 7.0).all()  # refused before any launch
 
 
 @pytest.mark.parametrize("device", devices())
