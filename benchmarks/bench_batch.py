@@ -18,6 +18,10 @@ process, one set of pinned stores shared by every variant, one apply kernel
       R/K            l's router ran (``DecodeStack.step(..., prefetch)``), guessed by an oracle
                      that knows R of the K true ids (the other K - R guesses are wrong ones):
                      what a predictor of that quality could win; small batches (B * K <= slots)
+    device copies    device mode, per-layer pools, the step without its expert compute (dense
+      only           parts, routers, admissions and copies run; ``--floor``): what no apply,
+                     overlap or kernel change can go under, since a layer's copies wait for
+                     its router
 
 (`DecodeStack` serves the device variants' calls with ``passes(ids, overlap=True)``: a call
 of at most 64 ids that fits in one pass on a pool smaller than the layer is served as its
@@ -43,6 +47,9 @@ coded bytes it moved instead.
 + each touched expert's bytes once / pinned bandwidth. ``--profile``: one more forward of each
 cache variant under `torch.profiler`; prints where its GPU time goes and how much of the
 forward the GPU sat idle.
+
+``--overlap off``: device caches serve a decode call in one pass (no hits-then-misses split);
+``--chain off``: no programmatic dependent launch between the decode kernels (ablations).
 
 ``--dry-run``: the same plumbing on a CPU with tiny shapes and interpreted kernels (fp32,
 eager, no graphs), results to a temporary folder: a check, not a measurement.
@@ -81,7 +88,7 @@ from layer_streaming import StreamingLayers  # noqa: E402
 
 from expertcache import CachedWeightProvider, CacheStats, FullGPUProvider, SlotPool  # noqa: E402
 from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E402
-from expertcache.kernels import moe_apply_passes  # noqa: E402
+from expertcache.kernels import _launch, moe_apply_passes  # noqa: E402
 from expertcache.layout import layout_from_weights  # noqa: E402
 from expertcache.passes import max_passes  # noqa: E402
 from expertcache.store import CPUBackingStore  # noqa: E402
@@ -103,6 +110,7 @@ class Bench:
     graphs: bool
     coded_stores: list[CPUBackingStore] | None = None  # the same experts, exponent-coded
     fill: bool = True  # caches of every expert warm up over the whole trace (not in a dry run: slow)
+    overlap: bool = True  # device caches split a decode call into hits, then misses (DecodeStack's overlap)
 
     @property
     def expert_bytes(self) -> int:
@@ -178,6 +186,7 @@ class Variant:
     bytes_per_step: int | None = None  # fixed copies (streaming); None: read the cache's stats
     num_slots: int | None = None  # slots one layer's call may use (caches: the pool's share)
     right: int | None = None  # prefetch: true ids among the K guesses an oracle makes per token
+    copies_only: bool = False  # the floor: the step without its expert compute (admissions and copies kept)
 
 
 def cached(bench: Bench, fraction: float, mode: str, shared: bool, coded: bool = False) -> Variant:
@@ -193,6 +202,17 @@ def cached(bench: Bench, fraction: float, mode: str, shared: bool, coded: bool =
     name = f"{mode}{' global' if shared else ''}{' coded' if coded else ''}"
     graph = bench.graphs and mode == "device"
     return Variant(name, f"{fraction:.0%}", providers, graph, num_slots=providers[0].pool.share)
+
+
+def copies_only(bench: Bench, fraction: float) -> Variant:
+    return dataclasses.replace(cached(bench, fraction, "device", False), name="device copies only", copies_only=True)
+
+
+def drain_passes(hidden: torch.Tensor, results, topk_weights: torch.Tensor) -> torch.Tensor:
+    """An apply that computes nothing: it only runs the passes (admissions, copies, joins)."""
+    for _ in results:
+        pass
+    return torch.zeros_like(hidden)
 
 
 def prefetching(bench: Bench, fraction: float, right: int) -> Variant:
@@ -212,7 +232,7 @@ def streaming(bench: Bench, depth: int) -> Variant:
 
 
 def variant_builders(
-    bench: Bench, fractions: list[float], coded: list[float], prefetch: list[float]
+    bench: Bench, fractions: list[float], coded: list[float], prefetch: list[float], floor: list[float]
 ) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
@@ -223,6 +243,8 @@ def variant_builders(
         if fraction in coded and bench.coded_stores:
             build = functools.partial(cached, bench, fraction, "device", False, True)
             builders.append((f"device coded {fraction:.0%}", build))
+        if fraction in floor:
+            builders.append((f"device copies only {fraction:.0%}", functools.partial(copies_only, bench, fraction)))
         if fraction in prefetch:
             for right in sorted({bench.shape["top_k"], 3 * bench.shape["top_k"] // 4}, reverse=True):
                 label = f"device prefetch {right}/{bench.shape['top_k']} {fraction:.0%}"
@@ -236,7 +258,11 @@ def variant_builders(
 def make_stack(bench: Bench, variant: Variant) -> DecodeStack:
     """The variant's decode stack; dense parts from one seed, so every variant computes alike."""
     apply = {} if bench.apply is None else {"apply": bench.apply}
+    if variant.copies_only:
+        apply = {"apply": drain_passes, "overlap": bench.overlap}
     shape = bench.shape
+    if not bench.overlap:
+        apply["overlap"] = False
     return DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=bench.device,
                        **apply)  # fmt: skip
 
@@ -369,7 +395,12 @@ def run_variant(bench: Bench, label: str, build: Callable[[], Variant], args, re
         if variant.name == "resident" and output is not None:
             reference[batch] = (row["ms_per_step"], output)
         rows.append(finish_row(row, output, reference.get(batch)))
+        if variant.copies_only:  # it computes no experts: its output is not the model's
+            for key in ("max_abs_err", "rel_err"):
+                rows[-1].pop(key, None)
         gc.collect()
+    if args.profile and variant.cache != "stream":
+        profile_decode(bench, variant, args.batch_sizes[0], args)
     print(f"  {label}: {time.perf_counter() - start:.1f} s", flush=True)
     del variant
     gc.collect()
@@ -417,7 +448,7 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
                        reference)  # fmt: skip
     save(rows)
     providers.clear()
-    builders = variant_builders(bench, args.fractions, args.coded, args.prefetch)
+    builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor)
     if args.only:
         builders = [(label, build) for label, build in builders if any(part in label for part in args.only)]
         if not builders:
@@ -491,6 +522,54 @@ def profile_prefill(bench: Bench, build: Callable[[], Variant], hidden, routing,
     del stack, variant
 
 
+def profile_decode(bench: Bench, variant: Variant, batch: int, args) -> None:
+    """A few graph replays of one warm decode step under `torch.profiler`: per step, the time
+    the copy kernel runs alone, compute runs alone, both run, and the GPU sits idle (launch
+    gaps, waits), and the kernels by total time."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if bench.device.type != "cuda":
+        print("profile: decode profiles need a GPU (the profiler sees CUDA kernels)")
+        return
+    replays = 4
+    routing = torch.from_numpy(batch_routing(bench.trace, batch, args.warmup + replays)).to(bench.device)
+    hidden = torch.randn(batch, bench.shape["hidden"], device=bench.device, dtype=bench.shape["dtype"])
+    stack = make_stack(bench, variant)
+    step = GraphedDecodeStep(stack, hidden, routing[:1]) if variant.graph else stack.step
+    for index in range(args.warmup):
+        step(hidden, routing[index])
+    sync(bench.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for index in range(args.warmup, args.warmup + replays):
+            step(hidden, routing[index])
+        sync(bench.device)
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy")]
+    if not kernels:
+        print(f"profile {variant.name} {variant.cache} B={batch}: the profiler saw no kernels")
+        return
+    edges = sorted({t for e in kernels for t in (e["ts"], e["ts"] + e["dur"])})
+    spans = {"copy only": 0.0, "compute only": 0.0, "both": 0.0, "idle": 0.0}
+    for left, right in zip(edges, edges[1:], strict=False):
+        running = [e for e in kernels if e["ts"] <= left and e["ts"] + e["dur"] >= right]
+        copying = any("copy" in e["name"] for e in running)
+        computing = any("copy" not in e["name"] for e in running)
+        spans["both" if copying and computing else "copy only" if copying else
+              "compute only" if computing else "idle"] += (right - left)  # fmt: skip
+    total = (edges[-1] - edges[0]) / replays
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e["name"][:48]] = by_name.get(e["name"][:48], 0.0) + e["dur"] / replays
+    print(f"\nprofile {variant.name} {variant.cache} B={batch}: {total / 1e3:.3f} ms a step (profiled); "
+          + ", ".join(f"{k} {v / replays / 1e3:.3f}" for k, v in spans.items()) + " ms")  # fmt: skip
+    for name, us in sorted(by_name.items(), key=lambda item: -item[1])[:12]:
+        print(f"  {us:9.1f} us  {name}")
+    del step, stack
+
+
 def prefill_once(bench: Bench, build: Callable[[], Variant], hidden, routing, repeats: int) -> dict:
     """Median ms of one forward, each on freshly built (cold) providers after one warm forward."""
     times, copied = [], []
@@ -525,7 +604,7 @@ def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Pa
         cache = f"{fraction:.0%}"
         lines: dict[str, list] = {}
         for row in rows:
-            if "tok_per_s" in row and row["cache"] in ("all", "stream", cache):
+            if "tok_per_s" in row and row["cache"] in ("all", "stream", cache) and "copies only" not in row["variant"]:
                 lines.setdefault(row["variant"], []).append((row["batch"], row["tok_per_s"]))
         for name, points in lines.items():
             axis.plot(*zip(*sorted(points), strict=True), marker="o", label=name)
@@ -559,7 +638,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill", type=int, nargs="+", default=None, metavar="T", help="prefill mode: T tokens")
     parser.add_argument("--prefill-fraction", type=float, default=0.25)
     parser.add_argument("--prefill-repeats", type=int, default=2)
-    parser.add_argument("--profile", action="store_true", help="prefill: profile one more forward of each cache")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more forward (prefill) or a few replays at the first batch size (decode)",
+    )
     parser.add_argument("--prefetch", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode with oracle prefetches at these fractions (none given: none)")  # fmt: skip
     parser.add_argument("--coded", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
@@ -568,16 +651,30 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                         help="decode: only the variants whose label contains one of these (e.g. 'global' "
                              "'device 25%%'), besides the resident one")  # fmt: skip
+    parser.add_argument("--floor", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
+                        help="device mode without expert compute (admissions, copies, dense parts) at these "
+                             "fractions: the floor of any apply (none given: none)")  # fmt: skip
+    parser.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="on",
+        help="off: device caches serve a decode call in one pass (no hits-then-misses split)",
+    )
+    parser.add_argument(
+        "--chain",
+        choices=("on", "off"),
+        default="on",
+        help="off: no programmatic dependent launch between the decode kernels",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, interpreted kernels")
     args = parser.parse_args()
     if args.only and args.prefill:
         parser.error("--only picks decode variants; a prefill run has its own fixed set")
-    if args.profile and not args.prefill:
-        parser.error("--profile profiles prefill forwards: give --prefill T too")
+
     if args.prefill and args.prefetch != parser.get_default("prefetch"):
         parser.error("--prefetch runs in decode mode only (a prefill forward has no next token to guess for)")
     if not args.prefill:  # a decode run serves these only at its own fractions
-        for flag in ("coded", "prefetch"):
+        for flag in ("coded", "prefetch", "floor"):
             extra = sorted(set(getattr(args, flag)) - set(args.fractions))
             if extra and getattr(args, flag) != parser.get_default(flag):
                 parser.error(f"--{flag} {' '.join(map(str, extra))} is not among --fractions {args.fractions}")
@@ -603,7 +700,8 @@ def build_bench(args) -> tuple[Bench, list[dict]]:
     apply, apply_name = resolve_apply(args.apply)
     small_gbps, layer_gbps = copy_bandwidth_gbps(stores[0], device)
     bench = Bench(shape, device, stores, trace, apply, max(small_gbps, layer_gbps), graphs=device.type == "cuda",
-                  fill=not args.dry_run)  # fmt: skip
+                  fill=not args.dry_run, overlap=args.overlap == "on")  # fmt: skip
+    _launch.PROGRAMMATIC_LAUNCH = args.chain == "on"
     shape.update(apply=apply_name, pinned_gbps_64mib=small_gbps, pinned_gbps_layer=layer_gbps)
     print(f"{shape['name']}: {shape['layers']} layers x {shape['experts']} experts, "
           f"{bench.expert_bytes / 1e6:.2f} MB per expert, {trace.shape[0]} trace tokens, apply {apply_name}; "
@@ -630,7 +728,8 @@ def main() -> None:
     start = time.perf_counter()
     bench, resident = build_bench(args)
     shape = bench.shape
-    stamp = {"shape": shape["name"], "layers": shape["layers"], "dtype": str(shape["dtype"]).removeprefix("torch."),
+    stamp = {"overlap": args.overlap, "chain": args.chain,
+             "shape": shape["name"], "layers": shape["layers"], "dtype": str(shape["dtype"]).removeprefix("torch."),
              "apply": shape["apply"], "pinned_gbps": bench.copy_gbps, "pinned_gbps_64mib": shape["pinned_gbps_64mib"],
              "pinned_gbps_layer": shape["pinned_gbps_layer"]}  # fmt: skip
     if args.prefill:
