@@ -51,9 +51,9 @@ from expertcache.kernels.copy_experts import (  # noqa: E402
 )
 
 # Qwen3-30B-A3B expert: gate_up [2I, H] and down [H, I], bf16 (9.44 MB)
-HIDDEN, INTERMEDIATE, EXPERTS, SLOTS = 2048, 768, 128, 32
+HIDDEN, INTERMEDIATE, EXPERTS, SLOTS = 2048, 768, 128, 64
 NAME_BYTES = (2 * INTERMEDIATE * HIDDEN * 2, HIDDEN * INTERMEDIATE * 2)
-MAX_COPIES = 16  # plan entries a layer's mailbox holds
+MAX_COPIES = 64  # plan entries a layer's mailbox holds (at most SLOTS)
 SPIN_LIMIT = 1 << 22  # a spin kernel gives up after this many polls (no hang if the service fails)
 
 
@@ -285,10 +285,12 @@ def measure(store: torch.Tensor, layers: int, misses: int, repeats: int, label: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--misses", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--misses", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--huge-pages", action="store_true")
     args = parser.parse_args(argv)
+    if not all(1 <= misses <= SLOTS for misses in args.misses) or args.layers < 1 or args.repeats < 1:
+        parser.error(f"--misses must lie in 1..{SLOTS} (distinct slots a layer), --layers and --repeats >= 1")
     sys.setswitchinterval(1e-4)  # the service thread spins: hand the GIL over quickly
     bound = pinned_copy_gbps(256 << 20)
     print(f"copy engine, one 256 MiB pinned copy: {bound:.1f} GB/s")

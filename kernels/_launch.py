@@ -62,6 +62,13 @@ def interpreted() -> bool:
     return INTERPRETED
 
 
+def program_rows(tile_rows: int, size: int) -> int:
+    """Output rows per program of a GEMV launch: the tile's on a GPU; under the interpreter,
+    which runs programs one by one, all ``size`` rows (up to 128) in one program, the same
+    code on fewer, larger blocks (each row's sum is the same, so are the results)."""
+    return max(tile_rows, min(128, triton.next_power_of_2(size))) if INTERPRETED else tile_rows
+
+
 def runs_on(tensor: torch.Tensor) -> bool:
     """True when the kernels can be launched on ``tensor``'s device: compiled kernels need
     CUDA tensors, interpreted ones (``TRITON_INTERPRET=1``) CPU tensors."""

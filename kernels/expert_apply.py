@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from expertcache.kernels._launch import chained, on_device
+from expertcache.kernels._launch import chained, on_device, program_rows
 from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
 
 
@@ -262,6 +262,7 @@ def launch_pairs(hidden, w1, w2, w1_scale, w2_scale, scale_block, ids, weights, 
     scale2 = w2_scale if w2_scale is not None else w2
     pairs = tokens * top_k
     (gate_rows, gate_cols, gate_warps), (down_rows, down_cols, down_warps) = GATE_UP_TILE, DOWN_TILE
+    gate_rows, down_rows = program_rows(gate_rows, inter_size), program_rows(down_rows, hidden_size)
     _gate_up_kernel[(pairs, triton.cdiv(inter_size, gate_rows))](
         hidden, w1, scale1, ids, act, hidden_size, inter_size, top_k, num_rows,
         hidden.stride(0), w1.stride(0), w1.stride(1), scale1.stride(0), scale1.stride(1),

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from expertcache.kernels._launch import on_device
+from expertcache.kernels._launch import on_device, program_rows
 from expertcache.kernels.expert_apply import launch_sum
 from expertcache.kernels.quant_common import (
     E2M1_PAIR_UNSCALE,
@@ -323,8 +323,11 @@ def moe_apply_quant_torch(
 def launch_quant_pairs(hidden, ops: QuantOperands, ids, weights, act, part, write_all: bool) -> None:
     """gate_up and down over every (token, choice): ``part[t*K + k]`` = weighted expert
     output for ids in ``[0, N)``; other rows get zeros (``write_all``) or stay as they were."""
-    launch_gate_up(hidden, ops, ids, act, gate_up_tile(ops.format, ids.shape[0]))
-    launch_down(act, ops, ids, weights, part, write_all, DOWN_TILES[ops.format])
+    gate_up, down = gate_up_tile(ops.format, ids.shape[0]), DOWN_TILES[ops.format]
+    gate_up = gate_up._replace(rows=program_rows(gate_up.rows, ops.inter_size))
+    down = down._replace(rows=program_rows(down.rows, ops.hidden_size))
+    launch_gate_up(hidden, ops, ids, act, gate_up)
+    launch_down(act, ops, ids, weights, part, write_all, down)
 
 
 def launch_gate_up(hidden, ops: QuantOperands, ids, act, tile: Tile) -> None:

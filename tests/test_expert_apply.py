@@ -22,7 +22,8 @@ DTYPES = {"cpu": (torch.float32, 1e-5), "cuda": (torch.bfloat16, 2e-2)}
         (1, 1, 1, 16, 16),  # one expert, top-1
         (1, 8, 16, 48, 40),  # decode; H, I not multiples of the blocks
         (3, 7, 7, 32, 24),  # K = E, prime E
-        (5, 2, 11, 300, 20),  # H spans several column blocks
+        (5, 2, 11, 300, 20),  # H spans several column blocks, and several down programs (interpreted: 128 rows each)
+        (2, 2, 3, 40, 200),  # I spans several gate_up programs, also interpreted
     ],
 )
 def test_moe_apply_matches_reference(device, tokens, top_k, num_experts, hidden, inter):
