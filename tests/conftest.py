@@ -23,7 +23,8 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     """With pytest-xdist installed (the ``test`` extra) and no ``-n`` given, spread the suite
     over one worker per CPU (``-n auto``, ``--dist worksteal``: the interpreted tests' times
     differ a hundredfold, so workers that finish early take queued tests from busy ones): the
-    README's test command and CI take a fraction of the serial time. ``-n 0`` (or ``-p no:xdist``) runs it serially; workers never fan out again."""
+    README's test command and CI take a fraction of the serial time. ``-n 0`` (or ``-p
+    no:xdist``) runs it serially; workers never fan out again."""
     if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
         if config.getoption("numprocesses", None) is None and not config.getoption("collectonly"):
             config.option.numprocesses = "auto"
