@@ -1,0 +1,90 @@
+"""benchmarks/bench_batch.py and bench_copy_service.py: flags, plans, and the floor variant.
+
+``device copies only`` (the floor of any apply) must run the same admissions and copies as
+the cached step it is the floor of; the dry run (tiny shapes, CPU, interpreted, the real
+Qwen3 trace) checks that on its CSV rows, not on timings.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _bench_module(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _run(script: str, *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(BENCHMARKS / script), *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        ("bench_batch.py", ["--floor", "0.3"], "--floor 0.3 is not among --fractions"),  # floor at a fraction not run
+        ("bench_batch.py", ["--overlap", "maybe"], "--overlap: invalid choice"),
+        ("bench_batch.py", ["--chain", "yes"], "--chain: invalid choice"),
+        ("bench_copy_service.py", ["--misses", "0"], "--misses must lie in 1..64"),
+        ("bench_copy_service.py", ["--misses", "65"], "--misses must lie in 1..64"),  # more than the slots
+        ("bench_copy_service.py", ["--layers", "0"], "--layers and --repeats >= 1"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(script, flags, message):
+    done = _run(script, *flags)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert message in done.stderr.strip().splitlines()[-1]
+
+
+def test_copy_service_plans_name_distinct_experts_and_slots():
+    bench = _bench_module("bench_copy_service")
+    plans = bench.random_plans(3, 4, 5, torch.Generator().manual_seed(0))
+    assert plans.shape == (3, 4, 1 + 2 * bench.MAX_COPIES) and plans.dtype == torch.int32
+    assert (plans[..., 0] == 5).all()
+    experts, slots = plans[..., 1:11:2], plans[..., 2:12:2]
+    assert (plans[..., 11:] == -1).all()  # past the count: never read, marked
+    for layer_experts, layer_slots in zip(experts.reshape(-1, 5), slots.reshape(-1, 5), strict=True):
+        assert len(set(layer_experts.tolist())) == 5 and 0 <= layer_experts.min() <= layer_experts.max() < bench.EXPERTS
+        assert len(set(layer_slots.tolist())) == 5 and 0 <= layer_slots.min() <= layer_slots.max() < bench.SLOTS
+
+
+def _has_traces() -> bool:
+    try:
+        _bench_module("_common").traces_dir()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_traces(), reason="../shared/traces is absent (bench_batch replays the real Qwen3 trace)")
+def test_the_floor_runs_the_same_copies_as_the_cached_step():
+    flags = ["--dry-run", "--only", "device 25%", "copies only", "--batch-sizes", "1", "4", "--fractions", "0.25",
+             "--coded", "--prefetch"]  # fmt: skip
+    done = _run("bench_batch.py", *flags)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path = Path(re.search(r"^CSV: (.+)$", done.stdout, re.MULTILINE).group(1))
+    with path.open(newline="") as handle:
+        rows = {(row["variant"], row["batch"]): row for row in csv.DictReader(handle)}
+    assert {variant for variant, _ in rows} == {"resident", "device", "device copies only"}
+    for batch in ("1", "4"):
+        cached, floor = rows[("device", batch)], rows[("device copies only", batch)]
+        assert float(cached["mb_copied_per_step"]) > 0
+        for column in ("mb_copied_per_step", "hit_rate", "max_passes"):
+            assert cached[column] == floor[column], column
+        assert float(cached["rel_err"]) == 0.0  # the cached step computes the resident step's output
+        assert floor["rel_err"] == ""  # the floor computes no experts: no output to compare
