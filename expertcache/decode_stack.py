@@ -25,6 +25,7 @@ contains admissions and copies: misses are served inside the graph.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ from expertcache.kernels.quant_passes import moe_apply_quant_passes
 from expertcache.provider import ExpertWeightProvider
 from expertcache.result import ExpertWeightResult
 from expertcache.validation import check_overlap
+
+if TYPE_CHECKING:
+    from expertcache.cached_provider import CachedWeightProvider
 
 #: An expert apply over the passes of one call: ``(hidden [T, H], results, topk_weights
 #: [T, K]) -> [T, H]`` in ``hidden``'s dtype (`expertcache.kernels.moe_apply_passes`).
@@ -109,8 +113,8 @@ class DecodeStack:
             ids = routing[layer]
             logits = (h @ self.router[layer]).float()
             weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
-            if prefetch is not None and layer + 1 < self.num_layers:
-                self.providers[layer + 1].prefetch(prefetch[layer + 1])
+            if prefetch is not None and layer + 1 < self.num_layers:  # device-mode caches (checked above)
+                cast("CachedWeightProvider", self.providers[layer + 1]).prefetch(prefetch[layer + 1])
             results = provider.passes(ids, overlap=True) if self.overlap else provider.passes(ids)
             h = h + self.apply(h, results, weights)
         return h
@@ -159,7 +163,7 @@ class GraphedDecodeStep:
         with torch.cuda.stream(side):
             for index, routing in enumerate(warmup_routing):
                 self.routing.copy_(routing)
-                if self.prefetch is not None:
+                if self.prefetch is not None and warmup_prefetch is not None:
                     self.prefetch.copy_(warmup_prefetch[index])
                 stack.step(self.hidden, self.routing, self.prefetch)
         torch.cuda.current_stream().wait_stream(side)  # joined before capture begins
@@ -179,13 +183,13 @@ class GraphedDecodeStep:
             raise ValueError("pass prefetch exactly when the graph was captured with warmup_prefetch")
         for name, given, captured in (("hidden", hidden, self.hidden), ("routing", routing, self.routing),
                                       ("prefetch", prefetch, self.prefetch)):  # fmt: skip
-            if given is not None and given.shape != captured.shape:
+            if given is not None and captured is not None and given.shape != captured.shape:
                 raise ValueError(
                     f"{name} has shape {tuple(given.shape)}; the graph was captured with {tuple(captured.shape)}"
                 )
         self.hidden.copy_(hidden)
         self.routing.copy_(routing)
-        if self.prefetch is not None:
+        if self.prefetch is not None and prefetch is not None:  # both or neither (checked above)
             self.prefetch.copy_(prefetch)
         self.graph.replay()
         return self.output

@@ -239,7 +239,9 @@ def join_copies(pool: SlotPool) -> None:
     read, and reads of the tables must see what they wrote. (A finished overlapped call has
     joined already.)"""
     if pool.copies_pending:
-        torch.cuda.current_stream(pool.device).wait_stream(pool.copy_stream())
+        copy_stream = pool.copy_stream()
+        if copy_stream is not None:  # pending copies only ever run on one
+            torch.cuda.current_stream(pool.device).wait_stream(copy_stream)
         pool.copies_pending, pool.copy_inputs = False, ()
 
 

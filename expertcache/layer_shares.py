@@ -94,7 +94,9 @@ class Protected(Container):
         }  # fmt: skip
 
     def __contains__(self, key: object) -> bool:
-        return key in self.taken or (bool(self.blocked) and self.floor.layer_of(key) in self.blocked)
+        if key in self.taken:
+            return True
+        return bool(self.blocked) and self.floor is not None and self.floor.layer_of(key) in self.blocked
 
     def add(self, victim: Key) -> None:
         self.taken.add(victim)

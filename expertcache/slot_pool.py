@@ -198,7 +198,7 @@ class SlotPool:
         if len(self.layers) < 2:
             return None
         held = np.bincount(self._key_layer_host[expert_to_slot >= 0], minlength=len(self.layers))
-        return LayerFloor(layer.index, self.share, held.tolist(), lambda key: int(self._key_layer_host[key]))
+        return LayerFloor(layer.index, self.share, held.tolist(), lambda key: int(self._key_layer_host[key]))  # type: ignore[call-overload]
 
     def owner_of(self, key: object) -> tuple[PoolLayer, int]:
         """``(layer, local expert)`` of a key."""

@@ -47,7 +47,7 @@ class SlotTable:
         #: slots one call may hold, and that every layer keeps (`expertcache.layer_shares`)
         self.share = layer_share(num_slots, num_layers)
         self.num_layers = num_layers
-        self._layer_of = layer_of
+        self._layer_of: Callable[[Key], int] = layer_of if layer_of is not None else _one_layer
         self._held = [0] * num_layers  # slots each layer holds
         self.policy = claim_policy(policy, capacity=num_slots, owner=self)
         self._slot_of: dict[Key, int] = {}
@@ -142,3 +142,8 @@ class SlotTable:
 
     def _free_slots(self) -> Iterator[int]:
         return iter(range(self._filled, self.num_slots))
+
+
+def _one_layer(key: Key) -> int:
+    """The layer of every key of a table of one layer."""
+    return 0

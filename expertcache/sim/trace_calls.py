@@ -10,7 +10,7 @@ makes no call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,10 +41,10 @@ class TraceCalls:
     num_layers: int = 1
 
     @property
-    def layer_of(self) -> Callable[[int], int]:
-        """The layer (``0 .. num_layers - 1``) of a key: ``key // E``."""
+    def layer_of(self) -> Callable[[Hashable], int]:
+        """The layer (``0 .. num_layers - 1``) of a key (an int here): ``key // E``."""
         experts = self.num_keys // self.num_layers
-        return lambda key: key // experts
+        return lambda key: int(key) // experts  # type: ignore[call-overload]
 
     @property
     def distinct_keys(self) -> int:

@@ -219,7 +219,7 @@ def quantize_experts(model: nn.Module, fmt: str, *, block: tuple[int, int] | Non
             tile = block or ((rows // 2, cols) if proj == "gate_up_proj" else (rows, cols))
             packed[name, proj] = _chunked(lambda w, tile=tile: quantize_fp8_blocks(w, tile), weight)
     experts.clear()
-    config = FineGrainedFP8Config(weight_block_size=block)
+    config = FineGrainedFP8Config(weight_block_size=block)  # type: ignore[arg-type]  # None: per-tensor scales
     replace_with_fp8_linear(model, modules_to_not_convert=[r"(?!.*\.experts$).*"], quantization_config=config,
                             pre_quantized=True)  # meta modules: only the experts become FP8  # fmt: skip
     for (name, proj), (values, scales) in packed.items():

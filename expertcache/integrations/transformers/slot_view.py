@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ class SlotView:
 
     __slots__ = ("_module", "_tensors")
 
-    def __init__(self, module: nn.Module, tensors: dict[str, torch.Tensor], num_slots: int) -> None:
+    def __init__(self, module: nn.Module, tensors: Mapping[str, torch.Tensor | int | bool], num_slots: int) -> None:
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_tensors", {**tensors, "num_experts": num_slots})
 
