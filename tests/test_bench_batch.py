@@ -2,7 +2,8 @@
 
 ``device copies only`` (the floor of any apply) must run the same admissions and copies as
 the cached step it is the floor of; the dry run (tiny shapes, CPU, interpreted, the real
-Qwen3 trace) checks that on its CSV rows, not on timings.
+Qwen3 trace or, where it is absent, a synthetic one in its format) checks that on its CSV
+rows, not on timings.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import traces_env
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -26,11 +28,6 @@ def _bench_module(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
-
-
-def _run(script: str, *flags: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(BENCHMARKS / script), *flags]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS)
 
 
 @pytest.mark.parametrize(
@@ -67,19 +64,13 @@ def test_copy_service_plans_name_distinct_experts_and_slots():
         assert len(set(layer_slots.tolist())) == 5 and 0 <= layer_slots.min() <= layer_slots.max() < bench.SLOTS
 
 
-def _has_traces() -> bool:
-    try:
-        _bench_module("_common").traces_dir()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_traces(), reason="../shared/traces is absent (bench_batch replays the real Qwen3 trace)")
-def test_the_floor_runs_the_same_copies_as_the_cached_step():
+def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     flags = ["--dry-run", "--only", "device 25%", "copies only", "--batch-sizes", "1", "4", "--fractions", "0.25",
              "--coded", "--prefetch"]  # fmt: skip
-    done = _run("bench_batch.py", *flags)
+    command = [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path)
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     path = Path(re.search(r"^CSV: (.+)$", done.stdout, re.MULTILINE).group(1))
     with path.open(newline="") as handle:
