@@ -22,6 +22,9 @@ captured cuStreamWaitValue32 node ("wait-value"). Variants on the same plans, si
     (each also over a store on transparent huge pages, ``--huge-pages``)
 
 Physical bound: bytes / the copy engine's measured pinned bandwidth (one 256 MiB copy).
+The service thread polls in Python, holding the GIL: the script sets the interpreter's
+switch interval to 0.1 ms so the timing thread gets it back quickly (an engine's own host
+loop would compete with such a thread the same way).
 
     python benchmarks/bench_copy_service.py [--layers 12] [--misses 1 2 4 8]
 """
