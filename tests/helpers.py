@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+
 import torch
+
+#: The benchmark scripts' folder (not a package: its modules import each other by name).
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def bench_module(name: str):
+    """Import ``benchmarks/<name>.py`` as a module (its folder on ``sys.path`` while it loads)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 def random_weights(

@@ -9,7 +9,6 @@ rows, not on timings.
 from __future__ import annotations
 
 import csv
-import importlib
 import re
 import subprocess
 import sys
@@ -17,17 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import traces_env
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _bench_module(name: str):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+from helpers import BENCHMARKS, bench_module, traces_env
 
 
 @pytest.mark.parametrize(
@@ -43,7 +32,7 @@ def _bench_module(name: str):
 )
 def test_bad_flags_exit_2_with_one_line(module, flags, message, monkeypatch, capsys):
     """Parsed before any GPU work (in this process: a subprocess each would pay torch's start-up)."""
-    bench = _bench_module(module)
+    bench = bench_module(module)
     monkeypatch.setattr(sys, "argv", [f"{module}.py", *flags])
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args() if module == "bench_batch" else bench.main()
@@ -53,7 +42,7 @@ def test_bad_flags_exit_2_with_one_line(module, flags, message, monkeypatch, cap
 
 
 def test_copy_service_plans_name_distinct_experts_and_slots():
-    bench = _bench_module("bench_copy_service")
+    bench = bench_module("bench_copy_service")
     plans = bench.random_plans(3, 4, 5, torch.Generator().manual_seed(0))
     assert plans.shape == (3, 4, 1 + 2 * bench.MAX_COPIES) and plans.dtype == torch.int32
     assert (plans[..., 0] == 5).all()

@@ -8,7 +8,6 @@ GPT-OSS MLP, DeepSeek's two applies); its CSV rows (in a temporary folder) are c
 from __future__ import annotations
 
 import csv
-import importlib
 import re
 import subprocess
 import sys
@@ -16,21 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _bench_module(name: str):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+from helpers import BENCHMARKS, bench_module
 
 
 def _has_traces() -> bool:
     try:
-        _bench_module("_common").traces_dir()
+        bench_module("_common").traces_dir()
     except FileNotFoundError:
         return False
     return True
@@ -46,13 +36,13 @@ def _has_traces() -> bool:
     ],
 )
 def test_fold_routing_takes_the_first_distinct_ids(row, expected):
-    fold = _bench_module("bench_quant").fold_routing
+    fold = bench_module("bench_quant").fold_routing
     folded = fold(np.asarray(row, dtype=np.int64).reshape(1, 1, 8), 32, 4)
     assert folded.shape == (1, 1, 4) and folded.reshape(-1).tolist() == expected
 
 
 def test_uniform_routing_is_distinct_and_seeded():
-    uniform = _bench_module("bench_quant").uniform_routing
+    uniform = bench_module("bench_quant").uniform_routing
     ids = uniform(50, 3, 32, 4)
     assert ids.shape == (50, 3, 4) and ids.min() >= 0 and ids.max() < 32
     assert all(len(set(row)) == 4 for row in ids.reshape(-1, 4).tolist())

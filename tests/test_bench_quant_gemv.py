@@ -7,27 +7,20 @@ at every tile tried are checked.
 
 from __future__ import annotations
 
-import importlib
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import devices
+from helpers import bench_module
 
 from expertcache.kernels import moe_apply_quant_torch
 from expertcache.kernels.quant_apply import DOWN_TILES, GATE_UP_TILES, SMALL_CALL_GATE_UP_TILES, Tile
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("bench_quant_gemv")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return bench_module("bench_quant_gemv")
 
 
 def test_the_sweep_tries_the_library_tiles_and_the_old_one(bench):

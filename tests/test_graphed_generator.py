@@ -9,16 +9,14 @@ abort a capture); the graphs themselves run in the ``gpu`` tests at the end.
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 import tempfile
 import types
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import traces_env
+from helpers import BENCHMARKS, bench_module, traces_env
 from transformers_helpers import TINY, tiny_model
 
 from expertcache.cli import main
@@ -274,9 +272,6 @@ def test_generate_graphs_flag_needs_a_gpu(tmp_path, capsys):
     assert "--graphs" in err[-1] and "CUDA" in err[-1]
 
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
 def test_bench_generate_dry_run():
     """The benchmark's tiny CPU mode: every variant but accelerate, the trace routing, a table."""
     before = sorted((BENCHMARKS / "results").glob("*.csv"), key=str)
@@ -315,14 +310,6 @@ def test_bench_generate_bad_flags_exit_2_with_one_line(flags, message):
     assert last.startswith("bench_generate.py: error:") and message in last
 
 
-def _bench_module(name: str):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("graphed", [False, True])
 def test_trace_routing_replaces_the_routers_choice(graphed, family):
@@ -331,7 +318,7 @@ def test_trace_routing_replaces_the_routers_choice(graphed, family):
     on the device (a graph replays it); the weights are the router's own scores at those ids."""
     from expertcache.integrations.transformers.random_models import ModelSizes, random_model
 
-    bench = _bench_module("bench_generate")
+    bench = bench_module("bench_generate")
     model = random_model(family, ModelSizes(num_moe_layers=2, num_experts=16, top_k=4))
     generator = torch.Generator().manual_seed(0)
     trace = torch.stack([torch.randperm(16, generator=generator)[:4] for _ in range(5 * 3)]).view(5, 3, 4)
@@ -459,7 +446,7 @@ def test_bench_generate_times_both_calls_from_the_same_cache_state():
     """The decode speed is the difference of an N-token and a one-token call: both must start
     from the cache state an N-token call leaves (the warm-up's), or the difference counts the
     prefill's misses of one call and not the other's."""
-    bench_generate = _bench_module("bench_generate")
+    bench_generate = bench_module("bench_generate")
     model = tiny_model("qwen3_moe")
     tokens = _prompts(1)
     handle = enable_expert_cache(model, cache_size=3, budget="global")
