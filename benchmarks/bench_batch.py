@@ -257,14 +257,14 @@ def variant_builders(
 
 def make_stack(bench: Bench, variant: Variant) -> DecodeStack:
     """The variant's decode stack; dense parts from one seed, so every variant computes alike."""
-    apply = {} if bench.apply is None else {"apply": bench.apply}
-    if variant.copies_only:
-        apply = {"apply": drain_passes, "overlap": bench.overlap}
+    options = {} if bench.apply is None else {"apply": bench.apply}
+    if variant.copies_only:  # the device rows' passes (hits, then misses), computed by nothing
+        options = {"apply": drain_passes, "overlap": bench.overlap}
+    elif not bench.overlap:
+        options["overlap"] = False
     shape = bench.shape
-    if not bench.overlap:
-        apply["overlap"] = False
     return DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=bench.device,
-                       **apply)  # fmt: skip
+                       **options)  # fmt: skip
 
 
 def total_stats(providers) -> CacheStats:
