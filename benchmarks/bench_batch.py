@@ -24,8 +24,10 @@ process, one set of pinned stores shared by every variant, one apply kernel
                      its router
 
 (`DecodeStack` serves the device variants' calls with ``passes(ids, overlap=True)``: a call
-of at most 64 ids that fits in one pass on a pool smaller than the layer is served as its
-hits, then its misses; the ``max_passes`` column is the most passes the call's shape allows.)
+that does not fit runs in overlapped passes, groups of half the slots, each pass's copies on
+a side stream while the pass before computes; a call of at most 64 ids that fits in one pass
+on a pool smaller than the layer is served as its hits, then its misses. The ``max_passes``
+column is the most passes the call's shape allows.)
 
 at 25% / 50% / 100% of each layer's experts in slots. Each variant warms up, then a run of
 steps is timed with CUDA events (one graph per batch size). At 100% the warm-up first steps
@@ -48,7 +50,10 @@ coded bytes it moved instead.
 cache variant under `torch.profiler`; prints where its GPU time goes and how much of the
 forward the GPU sat idle.
 
-``--overlap off``: device caches serve a decode call in one pass (no hits-then-misses split);
+``--serial 0.25 0.5``: beside the device rows, ``device serial`` rows at those fractions, whose
+stack asks for passes one after the other (``overlap=False``): the overlap's gain, measured
+in one process. ``--overlap off``: every device cache serves so (no hits-then-misses split,
+no overlapped passes);
 ``--chain off``: no programmatic dependent launch between the decode kernels (ablations).
 
 ``--dry-run``: the same plumbing on a CPU with tiny shapes and interpreted kernels (fp32,
@@ -110,7 +115,7 @@ class Bench:
     graphs: bool
     coded_stores: list[CPUBackingStore] | None = None  # the same experts, exponent-coded
     fill: bool = True  # caches of every expert warm up over the whole trace (not in a dry run: slow)
-    overlap: bool = True  # device caches split a decode call into hits, then misses (DecodeStack's overlap)
+    overlap: bool = True  # device caches overlap copies with compute (DecodeStack's overlap)
 
     @property
     def expert_bytes(self) -> int:
@@ -187,6 +192,7 @@ class Variant:
     num_slots: int | None = None  # slots one layer's call may use (caches: the pool's share)
     right: int | None = None  # prefetch: true ids among the K guesses an oracle makes per token
     copies_only: bool = False  # the floor: the step without its expert compute (admissions and copies kept)
+    overlap: bool = True  # False: the stack asks for passes one after the other (``--serial``)
 
 
 def cached(bench: Bench, fraction: float, mode: str, shared: bool, coded: bool = False) -> Variant:
@@ -206,6 +212,10 @@ def cached(bench: Bench, fraction: float, mode: str, shared: bool, coded: bool =
 
 def copies_only(bench: Bench, fraction: float) -> Variant:
     return dataclasses.replace(cached(bench, fraction, "device", False), name="device copies only", copies_only=True)
+
+
+def serial(bench: Bench, fraction: float) -> Variant:
+    return dataclasses.replace(cached(bench, fraction, "device", False), name="device serial", overlap=False)
 
 
 def drain_passes(hidden: torch.Tensor, results, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -232,7 +242,12 @@ def streaming(bench: Bench, depth: int) -> Variant:
 
 
 def variant_builders(
-    bench: Bench, fractions: list[float], coded: list[float], prefetch: list[float], floor: list[float]
+    bench: Bench,
+    fractions: list[float],
+    coded: list[float],
+    prefetch: list[float],
+    floor: list[float],
+    serial_at: list[float],
 ) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
@@ -245,6 +260,8 @@ def variant_builders(
             builders.append((f"device coded {fraction:.0%}", build))
         if fraction in floor:
             builders.append((f"device copies only {fraction:.0%}", functools.partial(copies_only, bench, fraction)))
+        if fraction in serial_at:
+            builders.append((f"device serial {fraction:.0%}", functools.partial(serial, bench, fraction)))
         if fraction in prefetch:
             for right in sorted({bench.shape["top_k"], 3 * bench.shape["top_k"] // 4}, reverse=True):
                 label = f"device prefetch {right}/{bench.shape['top_k']} {fraction:.0%}"
@@ -258,9 +275,10 @@ def variant_builders(
 def make_stack(bench: Bench, variant: Variant) -> DecodeStack:
     """The variant's decode stack; dense parts from one seed, so every variant computes alike."""
     options = {} if bench.apply is None else {"apply": bench.apply}
-    if variant.copies_only:  # the device rows' passes (hits, then misses), computed by nothing
-        options = {"apply": drain_passes, "overlap": bench.overlap}
-    elif not bench.overlap:
+    overlap = bench.overlap and variant.overlap
+    if variant.copies_only:  # the device rows' passes, computed by nothing
+        options = {"apply": drain_passes, "overlap": overlap}
+    elif not overlap:
         options["overlap"] = False
     shape = bench.shape
     return DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=bench.device,
@@ -341,7 +359,10 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
     }  # fmt: skip
     if variant.bytes_per_step is None and variant.name != "resident":
         row.update(hit_rate=delta.hit_rate, overflows=delta.overflows,
-                   max_passes=max_passes(batch * shape["top_k"], shape["experts"], variant.num_slots))  # fmt: skip
+                   max_passes=max_passes(batch * shape["top_k"], shape["experts"], variant.num_slots,
+                                         overlap=bench.overlap and variant.overlap))  # fmt: skip
+    if not variant.overlap:
+        row["overlap"] = "off"
     if variant.right is not None:
         row.update(right=variant.right, mb_prefetched_per_step=prefetched / 1e6)
     if "coded" in variant.name:  # PCIe carried the coded bytes
@@ -448,7 +469,7 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
                        reference)  # fmt: skip
     save(rows)
     providers.clear()
-    builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor)
+    builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor, args.serial)
     if args.only:
         builders = [(label, build) for label, build in builders if any(part in label for part in args.only)]
         if not builders:
@@ -654,11 +675,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--floor", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode without expert compute (admissions, copies, dense parts) at these "
                              "fractions: the floor of any apply (none given: none)")  # fmt: skip
+    parser.add_argument("--serial", type=float, nargs="*", default=[], metavar="FRACTION",
+                        help="device mode at these fractions with passes one after the other (no overlap), beside "
+                             "the overlapped rows: the overlap's gain in one process")  # fmt: skip
     parser.add_argument(
         "--overlap",
         choices=("on", "off"),
         default="on",
-        help="off: device caches serve a decode call in one pass (no hits-then-misses split)",
+        help="off: device caches serve a decode call in passes of the whole share, one after the other "
+        "(no hits-then-misses split, no overlapped passes)",
     )
     parser.add_argument(
         "--chain",
@@ -674,7 +699,7 @@ def parse_args() -> argparse.Namespace:
     if args.prefill and args.prefetch != parser.get_default("prefetch"):
         parser.error("--prefetch runs in decode mode only (a prefill forward has no next token to guess for)")
     if not args.prefill:  # a decode run serves these only at its own fractions
-        for flag in ("coded", "prefetch", "floor"):
+        for flag in ("coded", "prefetch", "floor", "serial"):
             extra = sorted(set(getattr(args, flag)) - set(args.fractions))
             if extra and getattr(args, flag) != parser.get_default(flag):
                 parser.error(f"--{flag} {' '.join(map(str, extra))} is not among --fractions {args.fractions}")

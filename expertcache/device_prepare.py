@@ -25,8 +25,16 @@ need are empty (launches only)::
     pass 0      assign passes, admit pass 0, copy      -> slot ids of pass 0, -1 elsewhere
     pass g > 0  admit pass g, copy                     -> slot ids of pass g, -1 elsewhere
 
-``passes(..., overlap=True)`` of a decode call on a pool smaller than the layer (the caller
-sums passes exactly) splits it instead, so the hits' compute hides part of the copies::
+``passes(..., overlap=True)`` (the caller sums passes exactly) overlaps copies with compute
+on the pool's copy stream. A call that needs several passes takes groups of half the share
+(`expertcache.passes`), and each pass's copies run while the previous pass computes::
+
+    pass g      current stream joins the copies of pass g - 1; admit pass g;
+                copy stream waits for the current one (the apply of pass g - 2), copies
+                                                       -> slot ids of pass g (once joined)
+
+A decode call on a pool smaller than the layer that fits in one pass is split instead, so
+the hits' compute hides part of the copies::
 
     hits        admit (hits and misses written apart), copy on the pool's copy stream
                                                        -> hits' slot ids, -1 for misses
@@ -110,7 +118,8 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
 
 def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False) -> Iterator[torch.Tensor]:
     """Device-mode ``SlotPool.passes``: slot ids of each pass (see the module docstring)."""
-    count = max_passes(topk_ids.numel(), layer.num_experts, pool.share)
+    overlap = overlap and not torch.compiler.is_compiling()  # a traced op runs on no side stream
+    count = max_passes(topk_ids.numel(), layer.num_experts, pool.share, overlap=overlap)
     if count == 1 and overlap and _splits(pool, layer, topk_ids):
         yield from _hits_then_misses(pool, layer, topk_ids.contiguous())
         return
@@ -120,6 +129,9 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bo
     ids = topk_ids.contiguous()
     with torch.inference_mode(False):
         pass_of = torch.empty(ids.shape, dtype=torch.int32, device=pool.device)
+    if overlap:
+        yield from _overlapped_passes(pool, layer, ids, pass_of, count)
+        return
     for index in range(count):
         yield _run(pool, layer, ids, pass_of, index)
 
@@ -160,6 +172,34 @@ def _hits_then_misses(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> It
         join_copies(pool)  # the caller stopped early: join anyway
 
 
+def _overlapped_passes(
+    pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Tensor, count: int
+) -> Iterator[torch.Tensor]:
+    """``count`` passes, each one's copies on the pool's copy stream while the one before
+    computes. Enqueueing pass g + 1 first joins the copies of pass g (so pass g's slots
+    are filled before its result is used) and forks after the caller's kernels of pass
+    g - 1: the slots pass g + 1 overwrites are only ever those of passes before g."""
+
+    def enqueue(index: int) -> torch.Tensor:
+        out = _admit_and_copy(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index,
+                              pass_of, index, overlap=True)  # fmt: skip
+        pool.copies_pending = pool.copy_stream() is not None
+        return out
+
+    try:
+        pending = [enqueue(0)]
+        for index in range(1, count + 1):
+            if index < count:
+                pending.append(enqueue(index))
+            else:
+                join_copies(pool)
+            pool.misses_owed = index < count  # a pass not yet taken: its slots are promised
+            yield pending.pop(0)
+    finally:
+        pool.misses_owed = False
+        join_copies(pool)  # the caller stopped early: join anyway
+
+
 def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None:
     """Device-mode ``SlotPool.prefetch``: admit ``expert_ids`` ``[1, N]`` and copy the misses
     on the pool's copy stream, counting into the layer's ``prefetched`` row. Atomic like a
@@ -187,13 +227,14 @@ def _admit_and_copy(
     pass_of: torch.Tensor,
     pass_index: int,
     misses: torch.Tensor | None = None,
+    overlap: bool = False,
 ) -> torch.Tensor:
     """One call (``pass_of`` empty) or one pass of a call: admission, then copies. With
-    ``misses`` (an overlapped call) the returned slot ids are the hits', ``misses`` receives
-    the misses', and the copies run on the pool's copy stream after the admission (the
-    caller joins it)."""
+    ``misses`` (a split call) the returned slot ids are the hits', ``misses`` receives the
+    misses'; with ``overlap`` the call's passes are overlapped passes. In both cases the
+    copies run on the pool's copy stream after the admission (the caller joins it)."""
     owner = _POOLS[pool]
-    copy_stream = owner.copy_stream() if misses is not None else None
+    copy_stream = owner.copy_stream() if misses is not None or overlap else None
     entry = owner.ordered_layers[layer]
     tables = owner.tables if state.data_ptr() == owner.tables.buffer.data_ptr() else _view_like(owner.tables, state)
     out = torch.empty_like(topk_ids)
@@ -205,7 +246,7 @@ def _admit_and_copy(
         owner.misses_owed = False  # a new call ends what an earlier one's slots held
         with _undone_on_error(owner, tables, named, copy_stream):
             if passes is not None and pass_index == 0:
-                assign_passes(tables, topk_ids, entry.global_to_local, passes, **where)
+                assign_passes(tables, topk_ids, entry.global_to_local, passes, overlap=overlap, **where)
             admit(
                 tables, topk_ids, entry.global_to_local, out, layer=entry.index, passes=passes, pass_index=pass_index,
                 miss_out=misses, key_layer=owner.key_layer, **where,

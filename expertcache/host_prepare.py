@@ -72,8 +72,9 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
         return _serve(pool, layer, topk_ids.contiguous(), keys, table, torch.from_numpy(committed))[0]
 
 
-def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Host-mode ``SlotPool.passes``: slot ids of each expert-group pass (`expertcache.passes`).
+def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False) -> Iterator[torch.Tensor]:
+    """Host-mode ``SlotPool.passes``: slot ids of each expert-group pass (`expertcache.passes`;
+    ``overlap`` groups as overlapped passes, so the decisions are device mode's).
 
     The groups come from the state read for pass 0; every pass is then an ordinary call of
     its group's keys (plan, move, commit, tell), so each one is atomic. Pass g > 0 plans on
@@ -85,7 +86,7 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> Iterator
     with pool.guard, on_device(pool.device):
         keys, committed = _read_call(pool, layer, ids)
         table = _expert_to_slot(pool, committed)
-        groups = group_passes(keys, [bool(table[key] >= 0) for key in keys], pool.share)
+        groups = group_passes(keys, [bool(table[key] >= 0) for key in keys], pool.share, overlap=overlap)
         if len(groups) == 1:
             only, _ = _serve(pool, layer, ids, keys, table, torch.from_numpy(committed))
     if len(groups) == 1:

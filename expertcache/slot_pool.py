@@ -247,20 +247,23 @@ class SlotPool:
         Args:
             layer, topk_ids: as in `prepare` (checked before this returns).
             overlap: the caller sums passes exactly (as `expertcache.kernels.moe_apply_passes`
-                does). A device-mode pool that cannot hold every expert of the layer then
-                serves a decode-sized call (at most 64 ids) that fits in one pass as two: its
-                hits at once, computed while its misses are copied on the pool's copy stream,
-                then its misses. Host mode, and device mode under ``torch.compile`` (no
-                streams in a traced op), serve the call as usual.
+                does). A call that does not fit then runs in overlapped passes, groups of
+                half the share (`expertcache.passes`), in every mode; in device mode each
+                pass's copies run on the pool's copy stream while the pass before computes.
+                A device-mode pool that cannot hold every expert of the layer serves a
+                decode-sized call (at most 64 ids) that fits in one pass as two: its hits at
+                once, computed while its misses are copied on the pool's copy stream, then
+                its misses. Device mode under ``torch.compile`` (no streams in a traced op)
+                serves the call as without overlap.
 
         Returns:
             An iterator of ``[T, K]`` slot ids, one per pass: this pass's ids remapped,
             -1 for the ids of other passes (and for other ranks' experts). Host mode takes
-            ``ceil(distinct experts / S)`` passes; device mode always
+            ``ceil(distinct experts / G)`` passes (``G`` keys a group); device mode always
             `expertcache.passes.max_passes` (no sync; the unneeded ones are empty), or two
-            for an overlapped call (hits, then misses). Each
-            pass is atomic: an error leaves the pool as it was before that pass. A pass's
-            slots hold its experts until the next pass (or ``prepare``) on this pool.
+            for a split call (hits, then misses). Each pass is atomic: an error leaves the
+            pool as it was before that pass. A pass's slots hold its experts until the
+            next pass (or ``prepare``) on this pool.
         """
         if self.layers.get(layer.name) is not layer:
             raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
@@ -268,7 +271,7 @@ class SlotPool:
         check_overlap(overlap)
         if self.mode == "device":
             return self._started_by(device_prepare.passes(self, layer, topk_ids, overlap))
-        return self._started_by(host_prepare.passes(self, layer, topk_ids))
+        return self._started_by(host_prepare.passes(self, layer, topk_ids, overlap))
 
     def prefetch(self, layer: PoolLayer, expert_ids: torch.Tensor) -> None:
         """Start loading experts a predictor expects ``layer`` to need (device mode).
@@ -317,8 +320,8 @@ class SlotPool:
             )
         if self.misses_owed:
             raise RuntimeError(
-                "an overlapped call of this pool has yet to yield its misses pass, whose slots a prefetch "
-                "could overwrite: take that pass (or close its generator) first"
+                "an overlapped call of this pool has yet to yield a pass whose slots a prefetch could "
+                "overwrite: take its passes (or close its generator) first"
             )
         device_prepare.prefetch(self, layer, expert_ids.reshape(1, -1).contiguous())
         self._started = True

@@ -106,11 +106,12 @@ class SlotTable:
         tell_policy(plan, self.policy)
         return plan
 
-    def admit_passes(self, keys: Iterable[Key]) -> list[CallPlan]:
+    def admit_passes(self, keys: Iterable[Key], *, overlap: bool = False) -> list[CallPlan]:
         """Admit one call of any size in expert-group passes, as the runtime serves it.
 
         Args:
             keys: the call's keys in use order; repeats are allowed and ignored.
+            overlap: group as overlapped passes (``passes(ids, overlap=True)``).
 
         Returns:
             One `CallPlan` per pass (`expertcache.passes.group_passes` on the table's
@@ -121,7 +122,7 @@ class SlotTable:
         """
         unique = list(dict.fromkeys(keys))
         self._layer_of_call(unique)
-        groups = group_passes(unique, [key in self._slot_of for key in unique], self.share)
+        groups = group_passes(unique, [key in self._slot_of for key in unique], self.share, overlap=overlap)
         return [self.admit(group) for group in groups]
 
     def _layer_of_call(self, unique: list[Key]) -> int | None:

@@ -4,8 +4,9 @@
 with no host sync (a CUDA graph captures it)::
 
     keys in first-appearance order (scatter-min of positions), hits = resident keys
-    pass(key) = r // S for the r-th hit, (hits + r) // S for the r-th missing key
+    G = S, or S // 2 for overlapped passes of a call of more than S keys
                 (S = the pool's share: `expertcache.layer_shares`)
+    pass(key) = r // G for the r-th hit, (hits + r) // G for the r-th missing key
     pass[position] = pass(its key); 0 for ids that are not local or not valid
 
 the same groups as `expertcache.passes.group_passes` on the host. Each pass then runs the
@@ -22,6 +23,7 @@ import triton.language as tl
 from expertcache.kernels._launch import runs_on
 from expertcache.kernels.remap import lookup_slots
 from expertcache.kernels.slot_tables import FIRST_SEEN_EMPTY, SlotTables
+from expertcache.passes import group_size
 
 _EMPTY = tl.constexpr(FIRST_SEEN_EMPTY)
 
@@ -38,7 +40,7 @@ def in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES: tl.constexpr
 @triton.jit
 def _assign_passes_kernel(
     ids_ptr, global_to_local_ptr, expert_to_slot_ptr, first_seen_ptr, pass_ptr,
-    num_ids, num_global, share, key_offset, BLOCK_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
+    num_ids, num_global, share, overlap_group, key_offset, BLOCK_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     # 1: the first position of every key
     for start in range(0, num_ids, BLOCK_IDS):
@@ -49,8 +51,9 @@ def _assign_passes_kernel(
         )
         tl.atomic_min(first_seen_ptr + key, positions, mask=is_local)
     tl.debug_barrier()
-    # 2: how many of the call's keys are resident
+    # 2: how many keys the call has, and how many of them are resident
     num_hits = 0
+    num_keys = 0
     for start in range(0, num_ids, BLOCK_IDS):
         positions = start + tl.arange(0, BLOCK_IDS)
         in_bounds = positions < num_ids
@@ -58,7 +61,10 @@ def _assign_passes_kernel(
             ids_ptr, positions, in_bounds, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
         )
         first = tl.load(first_seen_ptr + key, mask=is_local, other=-1)
-        num_hits += tl.sum((is_local & (first == positions) & (slot >= 0)).to(tl.int32), axis=0)
+        is_first = is_local & (first == positions)
+        num_hits += tl.sum((is_first & (slot >= 0)).to(tl.int32), axis=0)
+        num_keys += tl.sum(is_first.to(tl.int32), axis=0)
+    size = tl.where(num_keys > share, overlap_group, share)  # `expertcache.passes.group_size`
     # 3: the pass of every first appearance, hits and misses each ranked in first-appearance order
     num_misses = 0
     hits_before = 0
@@ -74,7 +80,7 @@ def _assign_passes_kernel(
         is_hit = is_first & (slot >= 0)
         rank = num_misses + tl.cumsum(is_miss.to(tl.int32), axis=0) - 1
         hit_rank = hits_before + tl.cumsum(is_hit.to(tl.int32), axis=0) - 1
-        group = tl.where(is_miss, (num_hits + rank) // share, hit_rank // share)
+        group = tl.where(is_miss, (num_hits + rank) // size, hit_rank // size)
         tl.store(pass_ptr + positions, group, mask=is_first)
         num_misses += tl.sum(is_miss.to(tl.int32), axis=0)
         hits_before += tl.sum(is_hit.to(tl.int32), axis=0)
@@ -108,6 +114,7 @@ def assign_passes(
     *,
     num_global: int,
     key_offset: int,
+    overlap: bool = False,
 ) -> None:
     """Write the pass of every position of ``topk_ids`` into ``out``.
 
@@ -118,6 +125,7 @@ def assign_passes(
         out: ``[T, K]`` int32 contiguous: the pass index per position (0 for ids that no
             pass serves: other ranks' or invalid ones).
         num_global, key_offset: as in `expertcache.kernels.admission.admit`.
+        overlap: group as overlapped passes (`expertcache.passes.group_size`).
     """
     if not runs_on(topk_ids):
         raise RuntimeError("assign_passes needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
@@ -125,9 +133,10 @@ def assign_passes(
     if out.dtype != torch.int32 or out.shape != topk_ids.shape or not contiguous:
         raise ValueError("out must be a contiguous int32 tensor shaped like the contiguous topk_ids")
     has_map = global_to_local is not None
+    oversize_group = group_size(tables.share + 1, tables.share, overlap=overlap)  # of a call that does not fit
     _assign_passes_kernel[(1,)](
         topk_ids, global_to_local if has_map else topk_ids, tables.expert_to_slot, tables.first_seen, out,
-        topk_ids.numel(), num_global, tables.share, key_offset,
+        topk_ids.numel(), num_global, tables.share, oversize_group, key_offset,
         BLOCK_IDS=min(1024, max(16, triton.next_power_of_2(topk_ids.numel()))), HAS_MAP=has_map, num_warps=4,
     )  # fmt: skip
 
@@ -140,6 +149,7 @@ def assign_passes_torch(
     *,
     num_global: int,
     key_offset: int,
+    overlap: bool = False,
 ) -> None:
     """Reference of `assign_passes`: `expertcache.passes.group_passes` on the host."""
     from expertcache.passes import group_passes
@@ -152,7 +162,7 @@ def assign_passes_torch(
         keys.append(None if local < 0 else key_offset + local)
     unique = list(dict.fromkeys(key for key in keys if key is not None))
     table = tables.expert_to_slot.tolist()
-    groups = group_passes(unique, [table[key] >= 0 for key in unique], tables.share)
+    groups = group_passes(unique, [table[key] >= 0 for key in unique], tables.share, overlap=overlap)
     group_of = {key: index for index, group in enumerate(groups) for key in group}
     passes = [0 if key is None else group_of[key] for key in keys]
     out.copy_(torch.tensor(passes, dtype=torch.int32).view(out.shape))

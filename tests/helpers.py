@@ -21,6 +21,16 @@ def bench_module(name: str):
         sys.path.remove(str(BENCHMARKS))
 
 
+def real_traces() -> Path:
+    """The real routing traces where the benchmarks find them (``$EXPERTCACHE_TRACES``,
+    ``../shared/traces``, the carried ``.traces/``); a missing folder when none is there
+    (the tests that read them skip)."""
+    try:
+        return bench_module("_common").traces_dir()
+    except FileNotFoundError:
+        return BENCHMARKS.parents[1] / "shared" / "traces"
+
+
 def random_weights(
     num_experts: int,
     hidden: int,
@@ -118,14 +128,7 @@ def traces_env(folder) -> dict[str, str]:
     """``os.environ`` for a benchmark subprocess, with ``$EXPERTCACHE_TRACES`` pointing at
     synthetic traces in ``folder`` when the real ones (``../shared/traces``, ``.traces``) are absent."""
     import os
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import _common
-
-    try:
-        _common.traces_dir()
+    if real_traces().is_dir():
         return dict(os.environ)
-    except FileNotFoundError:
-        return {**os.environ, "EXPERTCACHE_TRACES": str(synthetic_qwen3_traces(folder))}
+    return {**os.environ, "EXPERTCACHE_TRACES": str(synthetic_qwen3_traces(folder))}

@@ -23,6 +23,7 @@ from helpers import BENCHMARKS, bench_module, traces_env
     "module, flags, message",
     [
         ("bench_batch", ["--floor", "0.3"], "--floor 0.3 is not among --fractions"),  # floor at a fraction not run
+        ("bench_batch", ["--serial", "0.3"], "--serial 0.3 is not among --fractions"),
         ("bench_batch", ["--overlap", "maybe"], "--overlap: invalid choice"),
         ("bench_batch", ["--chain", "yes"], "--chain: invalid choice"),
         ("bench_copy_service", ["--misses", "0"], "--misses must lie in 1..64"),
@@ -54,8 +55,10 @@ def test_copy_service_plans_name_distinct_experts_and_slots():
 
 
 def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
-    flags = ["--dry-run", "--only", "device 25%", "copies only", "--batch-sizes", "1", "4", "--fractions", "0.25",
-             "--coded", "--prefetch"]  # fmt: skip
+    """Also the ``--serial`` rows: the same function, passes one after the other (full
+    groups where the overlapped rows take half ones)."""
+    flags = ["--dry-run", "--only", "device 25%", "copies only", "serial", "--batch-sizes", "1", "4", "16",
+             "--fractions", "0.25", "--serial", "0.25", "--coded", "--prefetch"]  # fmt: skip
     command = [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path)
@@ -64,11 +67,18 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     path = Path(re.search(r"^CSV: (.+)$", done.stdout, re.MULTILINE).group(1))
     with path.open(newline="") as handle:
         rows = {(row["variant"], row["batch"]): row for row in csv.DictReader(handle)}
-    assert {variant for variant, _ in rows} == {"resident", "device", "device copies only"}
-    for batch in ("1", "4"):
-        cached, floor = rows[("device", batch)], rows[("device copies only", batch)]
+    assert {variant for variant, _ in rows} == {"resident", "device", "device copies only", "device serial"}
+    for batch in ("1", "4", "16"):
+        cached, floor, one_by_one = (
+            rows[("device", batch)],
+            rows[("device copies only", batch)],
+            rows[("device serial", batch)],
+        )
         assert float(cached["mb_copied_per_step"]) > 0
         for column in ("mb_copied_per_step", "hit_rate", "max_passes"):
             assert cached[column] == floor[column], column
-        assert float(cached["rel_err"]) == 0.0  # the cached step computes the resident step's output
+        assert float(cached["rel_err"]) == 0.0 == float(one_by_one["rel_err"])  # the resident step's output
         assert floor["rel_err"] == ""  # the floor computes no experts: no output to compare
+        assert (cached["overlap"], one_by_one["overlap"]) == ("on", "off")
+    # 16 tokens do not fit in a quarter of the experts: overlapped passes take half groups
+    assert int(rows[("device", "16")]["max_passes"]) > int(rows[("device serial", "16")]["max_passes"]) > 1

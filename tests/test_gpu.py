@@ -161,3 +161,33 @@ def test_a_call_after_an_unfinished_overlapped_call_waits_for_its_copies():
                            moe_apply(x, full["w1"], full["w2"], router, later))  # fmt: skip
     torch.cuda.synchronize()
     _slots_match_store(provider)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graphed"])
+def test_overlapped_passes_with_copies_in_flight_equal_the_resident_step(graph):
+    """Decode calls that do not fit, served in overlapped passes (groups of half the share)
+    with experts of Qwen3-30B-A3B's size: each pass's copies are still arriving while the
+    pass before computes, so a copy landing in a slot being read would change the output.
+    Eager and graphed steps equal the resident step bit for bit, every step."""
+    layers, experts, hidden_size, inter, top_k, tokens, slots, steps = 2, 32, 2048, 768, 4, 16, 8, 6
+    gen = torch.Generator().manual_seed(8)
+    weights = [random_weights(experts, hidden_size, inter, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
+    routing = torch.stack([
+        torch.stack([random_topk(tokens, top_k, experts, generator=gen) for _ in range(layers)])
+        for _ in range(steps + 1)
+    ]).cuda()  # fmt: skip
+    hidden = torch.randn(steps + 1, tokens, hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    full = DecodeStack([FullGPUProvider({k: v.cuda() for k, v in w.items()}) for w in weights], hidden_size, experts,
+                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    cached = [CachedWeightProvider(w, cache_size=slots, device="cuda", mode="device") for w in weights]
+    stack = DecodeStack(cached, hidden_size, experts, dtype=torch.bfloat16, device="cuda")
+    assert stack.overlap  # moe_apply_passes sums passes exactly: the stack asks for overlapped passes
+    run = GraphedDecodeStep(stack, hidden[0], routing[:1]) if graph else stack.step
+    if graph:
+        full.step(hidden[0], routing[0])
+    for step in range(graph, steps + 1):
+        assert torch.equal(run(hidden[step], routing[step]), full.step(hidden[step], routing[step])), step
+    torch.cuda.synchronize()
+    for provider in cached:
+        assert provider.stats.overflows == 0 and provider.stats.misses > steps * slots  # many passes copied
+        _slots_match_store(provider)

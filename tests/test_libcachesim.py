@@ -8,16 +8,16 @@ effect there). `benchmarks/libcachesim_crosscheck.py` runs the full matrix over 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
+from helpers import real_traces
 
 from expertcache.sim import replay, trace_calls
 from expertcache.trace import load_trace
 
 libcachesim = pytest.importorskip("libcachesim")
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = real_traces()
 CACHES = {"lru": libcachesim.LRU, "arc": libcachesim.ARC}
 
 
@@ -40,7 +40,7 @@ def test_zipf_streams(policy, capacity, seed):
     assert _ours(policy, keys, capacity) == _theirs(policy, keys, capacity)
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is absent")
+@pytest.mark.skipif(not TRACES.is_dir(), reason="no real routing traces (../shared/traces)")
 @pytest.mark.parametrize("policy", sorted(CACHES))
 @pytest.mark.parametrize(
     "path",

@@ -24,7 +24,7 @@ from expertcache import CachedWeightProvider, FullGPUProvider, SlotPool
 from expertcache.kernels import moe_apply, moe_apply_grouped, moe_apply_passes
 from expertcache.kernels.passes import assign_passes, assign_passes_torch
 from expertcache.kernels.slot_tables import SlotTables
-from expertcache.passes import group_passes, max_passes, pass_count
+from expertcache.passes import group_passes, group_size, max_passes, pass_count
 from expertcache.reference import combine_expert_outputs, expert_outputs, moe_forward
 
 HIDDEN, INTER = 8, 4
@@ -35,26 +35,33 @@ HIDDEN, INTER = 8, 4
     keys=st.lists(st.integers(0, 40), unique=True, max_size=30),
     flags=st.lists(st.booleans(), min_size=30, max_size=30),
     num_slots=st.integers(1, 12),
+    overlap=st.booleans(),
 )
-def test_groups_partition_the_call_resident_keys_first(keys, flags, num_slots):
-    """Resident keys first, then the misses, cut into groups of ``S`` (a shared pool's layer
-    may hold more resident keys than its share); each group in first-appearance order."""
+def test_groups_partition_the_call_resident_keys_first(keys, flags, num_slots, overlap):
+    """Resident keys first, then the misses, cut into groups of ``G`` (a shared pool's layer
+    may hold more resident keys than its share); each group in first-appearance order. A
+    call that fits is one group; overlapped passes of one that does not take half the share."""
     resident = flags[: len(keys)]
-    groups = group_passes(keys, resident, num_slots)
-    assert len(groups) == pass_count(len(keys), num_slots)
+    groups = group_passes(keys, resident, num_slots, overlap=overlap)
+    size = group_size(len(keys), num_slots, overlap=overlap)
+    fits = len(keys) <= num_slots
+    assert size == (num_slots // 2 if overlap and not fits and num_slots >= 2 else num_slots)
+    assert len(groups) == (1 if fits else pass_count(len(keys), size))
     hits = [key for key, flag in zip(keys, resident, strict=True) if flag]
     misses = [key for key, flag in zip(keys, resident, strict=True) if not flag]
     ranked = hits + misses
     assert [set(group) for group in groups] == [
-        set(ranked[start : start + num_slots]) for start in range(0, max(1, len(ranked)), num_slots)
+        set(ranked[start : start + size]) for start in range(0, max(1, len(ranked)), size)
     ]
     order = {key: index for index, key in enumerate(keys)}
     assert all(list(group) == sorted(group, key=order.get) for group in groups)
+    assert len(groups) <= max_passes(len(keys), 41, num_slots, overlap=overlap)
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize(("tokens", "with_map"), [(3, False), (40, True), (300, False)])
-def test_assign_passes_kernel_equals_reference(device, tokens, with_map):
+def test_assign_passes_kernel_equals_reference(device, tokens, with_map, overlap):
     gen = torch.Generator().manual_seed(tokens)
     num_slots, num_keys, offset = 5, 30, 6
     tables = SlotTables.allocate(num_keys, num_slots, 2, torch.device(device))
@@ -67,7 +74,7 @@ def test_assign_passes_kernel_equals_reference(device, tokens, with_map):
         mapping = torch.where(torch.arange(20) % 3 == 0, -1, torch.arange(20) // 2).to(torch.int32).to(device)
     ours, theirs = (torch.empty(ids.shape, dtype=torch.int32, device=device) for _ in range(2))
     before = tables.buffer.clone()
-    kwargs = dict(num_global=20, key_offset=offset)
+    kwargs = dict(num_global=20, key_offset=offset, overlap=overlap)
     assign_passes(tables, ids.to(device), mapping, ours, **kwargs)
     assert torch.equal(tables.buffer, before)  # reads the tables, leaves its scratch empty
     assign_passes_torch(tables, ids.to(device), mapping, theirs, **kwargs)
@@ -319,6 +326,54 @@ def test_overlapped_decode_calls_serve_hits_then_misses(device):
         assert torch.equal(ours, moe_apply(hidden, full["w1"], full["w2"], router.to(device), ids))
     assert split.stats == applied.stats == plain.stats
     assert split.stats.misses > 5  # misses were served through the second pass
+
+
+def _taken_while_the_next_is_copied(results, pool, layer, ids):
+    """Each pass's result, once the next pass has been admitted (device mode admits it
+    before yielding this one; host mode plans it when asked): checks that the slots the
+    result reads still hold its experts then, for LRU, where overlapped passes promise it."""
+    keys = [layer.key_offset + int(expert) for expert in ids.reshape(-1).tolist()]
+    for result in results:
+        slot_to_key = pool.tables.slot_to_key.cpu().tolist()
+        for key, slot in zip(keys, result.topk_ids.reshape(-1).tolist(), strict=True):
+            assert slot < 0 or slot_to_key[slot] == key
+        yield result
+
+
+@pytest.mark.parametrize("mode", ["host", "device"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own pool", "shared pool"])
+def test_overlapped_passes_take_half_the_share_and_keep_the_pass_before(mode, shared):
+    """``passes(ids, overlap=True)`` of calls that do not fit: groups of half the share, so
+    the next pass's copies never land in a slot the pass before reads (LRU); the output
+    equals the full-weights reference and every expert is loaded at most once."""
+    gen = torch.Generator().manual_seed(21)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    num_experts, tokens, top_k, share = 16, 10, 3, 6
+    layers = [random_weights(num_experts, HIDDEN, INTER, generator=gen) for _ in range(2 if shared else 1)]
+    pool = SlotPool.for_weights(layers[0], share * len(layers), device=device, mode=mode)
+    providers = [CachedWeightProvider(w, pool=pool, layer=index) for index, w in enumerate(layers)]
+    full = [{name: tensor.to(device) for name, tensor in w.items()} for w in layers]
+    split_calls = 0
+    for _ in range(4):
+        for provider, weights in zip(providers, full, strict=True):
+            ids = random_topk(tokens, top_k, num_experts, generator=gen).to(device)
+            hidden = torch.randn(tokens, HIDDEN, generator=gen).to(device)
+            router = torch.rand(tokens, top_k, generator=gen).to(device)
+            before = provider.stats
+            results = []  # each result is computed as it comes: the next pass may overwrite its slots
+            taken = _taken_while_the_next_is_copied(provider.passes(ids, overlap=True), pool, provider.layer, ids)
+            out = _reference_over_passes(hidden, (results.append(r) or r for r in taken), router)
+            assert torch.equal(out, moe_forward(hidden, weights["w1"], weights["w2"], router, ids))
+            distinct = ids.unique().numel()
+            groups = 1 if distinct <= share else -(-distinct // (share // 2))
+            most = max_passes(ids.numel(), num_experts, share, overlap=True)
+            assert len(results) == (groups if mode == "host" else most)
+            assert all(bool((r.topk_ids < 0).all()) for r in results[groups:])  # the spare passes are empty
+            assert all(len(set(r.topk_ids[r.topk_ids >= 0].tolist())) <= share // 2 for r in results[:groups])
+            stats = provider.stats
+            assert (stats.hits - before.hits) + (stats.misses - before.misses) == distinct  # each loaded once
+            split_calls += distinct > share
+    assert split_calls >= 3 * len(providers)  # the calls did not fit: passes were taken
 
 
 @pytest.mark.parametrize("device", devices())

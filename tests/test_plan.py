@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import random_weights
+from helpers import random_weights, real_traces
 
 from expertcache import CachedWeightProvider
 from expertcache.cli import main
 from expertcache.planner import RUNTIME_POLICIES, PlanRow, best_policy, plan
 from expertcache.trace import RoutingTrace
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = real_traces()
 
 
 def _trace(tokens: int = 60, layers: int = 2, experts: int = 8, top_k: int = 2) -> RoutingTrace:
@@ -108,7 +107,7 @@ def test_a_budget_below_one_slot_per_layer_says_so(tmp_path, capsys):
     assert "fewer than one per layer" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is absent")
+@pytest.mark.skipif(not TRACES.is_dir(), reason="no real routing traces (../shared/traces)")
 def test_cli_accepts_a_shared_trace_file_directly(capsys):
     path = TRACES / "olmoe-1b-7b-0924__cerebras-assesment2" / "moe_routes.jsonl"
     args = ["plan", "--trace", str(path), "--expert-bytes", "12600000", "--gpu-budget", "1.7"]

@@ -107,7 +107,7 @@ def test_no_prefetch_between_an_overlapped_calls_hits_and_misses(device):
     hits = next(passes)
     part = moe_forward(hidden, hits.w1, hits.w2, router, hits.topk_ids)
     before = views(provider), provider.prefetch_stats
-    with pytest.raises(RuntimeError, match="yet to yield its misses pass"):
+    with pytest.raises(RuntimeError, match="yet to yield a pass"):
         provider.prefetch(torch.tensor([8, 9, 10, 11], device=device))
     assert (views(provider), provider.prefetch_stats) == before
     misses = next(passes)

@@ -4,7 +4,8 @@ Each trace (as recorded, and batched: ``B`` consecutive forward passes as one ca
 makes calls larger than the cache) runs through host-mode `CachedWeightProvider` pools
 (per layer, and one pool shared by several layers) and through `expertcache.sim`; hits,
 misses and evictions must be equal. Calls larger than the slots run in expert-group passes
-in both (`expertcache.passes`). Tiny expert tensors keep it fast: only the decisions are
+in both (`expertcache.passes`), and so do overlapped passes (``passes(ids, overlap=True)``
+against ``oversize="overlapped"``). Tiny expert tensors keep it fast: only the decisions are
 compared. Device mode makes host mode's LRU decisions (`tests/test_device_mode.py`), and
 on a GPU it is run here as well.
 """
@@ -17,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import real_traces
 
 from expertcache import CachedWeightProvider, SlotPool
 from expertcache.sim import replay_streams, trace_calls
 from expertcache.trace import RoutingTrace, load_trace
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = real_traces()
 MIXTRAL = "mixtral-8x7b-instruct-fp8__speculative-moe"
 FILES = [
     "olmoe-1b-7b-0924__cerebras-assesment2",
@@ -34,7 +36,7 @@ FILES = [
 ]
 MAX_FORWARDS, MAX_LAYERS = 120, 3  # enough to fill and churn every cache, quick on a CPU
 
-pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is absent")
+pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="no real routing traces (../shared/traces)")
 
 
 def _head(trace: RoutingTrace, *, batch: int) -> RoutingTrace:
@@ -57,7 +59,9 @@ def _runtime_ids(ids: np.ndarray, device: str) -> torch.Tensor | None:
     return torch.from_numpy(filled.astype(np.int64)).to(device)
 
 
-def _run(trace: RoutingTrace, *, slots: int, policy: str, scope: str, mode: str, device: str) -> tuple:
+def _run(
+    trace: RoutingTrace, *, slots: int, policy: str, scope: str, mode: str, device: str, overlap: bool = False
+) -> tuple:
     columns = range(trace.num_layers)
     weights = {"w1": torch.zeros(trace.num_experts, 2, 1), "w2": torch.zeros(trace.num_experts, 1, 1)}
     if scope == "layer":
@@ -71,7 +75,7 @@ def _run(trace: RoutingTrace, *, slots: int, policy: str, scope: str, mode: str,
         for provider, ids in zip(providers, forward, strict=True):
             call = _runtime_ids(ids, device)
             if call is not None:
-                for _ in provider.passes(call):  # nothing reads the slots here
+                for _ in provider.passes(call, overlap=overlap):  # nothing reads the slots here
                     pass
     if scope == "layer":
         stats = [provider.stats for provider in providers]
@@ -96,12 +100,23 @@ def test_simulated_copies_equal_the_runtime_on_real_traces(name, batch):
         ("layer", max(top_k, trace.num_experts // 4), "arc"),
         ("global", top_k * trace.num_layers, "lru"),
     ):
-        simulated = replay_streams(trace_calls(trace, scope=scope), policy=policy, capacity=slots)
+        streams = trace_calls(trace, scope=scope)
+        simulated = replay_streams(streams, policy=policy, capacity=slots)
         runtime = _run(trace, slots=slots, policy=policy, scope=scope, mode="host", device="cpu")
         assert runtime == (simulated.hits, simulated.misses, simulated.evictions), (scope, slots, policy)
         checked += simulated.split_calls
         if torch.cuda.is_available() and policy == "lru":
             device_mode = _run(trace, slots=slots, policy=policy, scope=scope, mode="device", device="cuda")
             assert device_mode == runtime, (scope, slots, "device")
+        if simulated.split_calls:  # overlapped passes group oversize calls differently
+            overlapped = replay_streams(streams, policy=policy, capacity=slots, oversize="overlapped")
+            counts = (overlapped.hits, overlapped.misses, overlapped.evictions)
+            host = _run(trace, slots=slots, policy=policy, scope=scope, mode="host", device="cpu", overlap=True)
+            assert host == counts, (scope, slots, policy, "overlapped")
+            if torch.cuda.is_available() and policy == "lru":
+                on_gpu = _run(
+                    trace, slots=slots, policy=policy, scope=scope, mode="device", device="cuda", overlap=True
+                )
+                assert on_gpu == counts, (scope, slots, "device, overlapped")
     if batch > 1:
         assert checked > 0  # batched calls exceed the smallest caches: the passes were exercised

@@ -7,20 +7,20 @@ reproduce it, and must survive a save/load round trip through the one trace form
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import real_traces
 
 from expertcache.trace import RoutingTrace, detect_format, load_trace
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = real_traces()
 MIXTRAL = TRACES / "mixtral-8x7b-instruct-fp8__speculative-moe"
 QWEN15 = TRACES / "qwen1.5-moe-a2.7b-chat-gptq-int4__vllm-expert-profiler" / "moe_routes.jsonl"
 OLMOE = TRACES / "olmoe-1b-7b-0924__cerebras-assesment2" / "moe_routes.jsonl"
 QWEN3 = TRACES / "qwen3-30b-a3b-instruct-2507__local-moe-inference-stack"
 
-needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is absent")
+needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="no real routing traces (../shared/traces)")
 
 
 def _records(trace: RoutingTrace) -> int:

@@ -6,7 +6,9 @@ no key of the current call is ever evicted. A call with more distinct keys than 
 capacity cannot be admitted at once; the runtime serves it in expert-group passes
 (`expertcache.passes`: resident keys first, then groups of misses), and so does
 ``replay`` by default (``oversize="passes"``; such calls are counted in ``split_calls``),
-so simulated copies are the runtime's.
+so simulated copies are the runtime's. ``oversize="overlapped"`` groups them as
+``passes(ids, overlap=True)`` does (groups of half the share), as a decode stack serves
+them.
 
 A pool shared by several layers (``num_layers``, ``layer_of``) keeps each layer's share,
 ``capacity // num_layers``, as the runtime's does (`expertcache.layer_shares`); a call is
@@ -29,6 +31,9 @@ from expertcache.errors import CacheCapacityError
 from expertcache.layer_shares import check_layers, layer_share
 from expertcache.policies import EvictionPolicy, make_policy
 from expertcache.slot_table import SlotTable
+
+#: How `replay` serves a call of more distinct keys than its share (see the module docstring).
+OVERSIZE = ("passes", "overlapped", "raise")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +79,7 @@ def replay(
     policy: str | EvictionPolicy,
     capacity: int,
     forward_starts: Collection[int] | None = None,
-    oversize: Literal["passes", "raise"] = "passes",
+    oversize: Literal["passes", "overlapped", "raise"] = "passes",
     num_layers: int = 1,
     layer_of: Callable[[Hashable], int] | None = None,
 ) -> ReplayResult:
@@ -88,8 +93,9 @@ def replay(
         forward_starts: indices into ``calls`` where a forward pass starts (Least-Stale
             ranks by it); default: every call is its own forward pass.
         oversize: what to do with a call of more distinct keys than the share (``capacity``
-            for one layer): serve it in expert-group ``"passes"`` (as the runtime does), or
-            ``"raise"`` `CacheCapacityError`.
+            for one layer): serve it in expert-group ``"passes"`` (as the runtime does), in
+            ``"overlapped"`` passes (as ``passes(ids, overlap=True)`` does), or ``"raise"``
+            `CacheCapacityError`.
         num_layers: layers sharing the cache (at most ``capacity``); each call is one layer's.
         layer_of: the layer of a key, in ``[0, num_layers)`` (needed for several layers).
 
@@ -125,7 +131,7 @@ def replay(
         if starts_forward:
             table.begin_forward()
         try:
-            admissions = table.admit_passes(keys)
+            admissions = table.admit_passes(keys, overlap=oversize == "overlapped")
         except ValueError as error:  # keys of several layers, or a layer_of out of range
             raise ValueError(f"call {index}: {error}") from None
         for admission in admissions:
@@ -144,8 +150,8 @@ def _normalize(
     num_layers: int,
 ) -> tuple[list[tuple[Hashable, ...]], list[bool], int]:
     """Distinct keys of each call and whether each starts a forward pass."""
-    if oversize not in ("passes", "raise"):
-        raise ValueError(f"oversize must be 'passes' or 'raise', got {oversize!r}")
+    if oversize not in OVERSIZE:
+        raise ValueError(f"oversize must be one of {OVERSIZE}, got {oversize!r}")
     calls = list(calls)
     starts_set = None if forward_starts is None else _call_indices(forward_starts)
     admitted: list[tuple[Hashable, ...]] = []

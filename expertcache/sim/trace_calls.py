@@ -98,10 +98,17 @@ def _stream(trace: RoutingTrace, columns: Sequence[int]) -> TraceCalls:
     return TraceCalls(calls, forward_starts, len(columns) * trace.num_experts, len(columns))
 
 
-def replay_streams(streams: Sequence[TraceCalls], *, policy: str | EvictionPolicy, capacity: int) -> ReplayResult:
+def replay_streams(
+    streams: Sequence[TraceCalls],
+    *,
+    policy: str | EvictionPolicy,
+    capacity: int,
+    oversize: Literal["passes", "overlapped", "raise"] = "passes",
+) -> ReplayResult:
     """Replay each stream with its own pool of ``capacity`` keys and add the counts.
 
-    ``policy`` must be a name when there are several streams (each needs a fresh policy).
+    ``policy`` must be a name when there are several streams (each needs a fresh policy);
+    ``oversize`` as in `replay`.
     """
     if isinstance(policy, EvictionPolicy) and len(streams) > 1:
         raise ValueError("give a policy name: every stream needs a fresh policy")
@@ -114,6 +121,7 @@ def replay_streams(streams: Sequence[TraceCalls], *, policy: str | EvictionPolic
             forward_starts=stream.forward_starts,
             num_layers=stream.num_layers,
             layer_of=stream.layer_of,
+            oversize=oversize,
         )
     return total
 
