@@ -114,6 +114,44 @@ def test_a_failing_later_pass_rolls_back_to_the_pass_before(monkeypatch, device,
     assert_next_call_is_right(provider, weights, device)
 
 
+def fail_on_call(real, failure, number):
+    """``real``, except that its ``number``-th call (from 1) does its work and then raises."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        real(*args, **kwargs)
+        calls.append(None)
+        if len(calls) == number:
+            raise failure("injected")
+
+    return wrapper
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("step", ["admit", "copy_with_kernel"])
+@pytest.mark.parametrize("failing_pass", [1, 2, 3])
+def test_a_failing_overlapped_pass_leaves_the_passes_before_it(monkeypatch, device, step, failing_pass):
+    """Overlapped passes admit pass g + 1 before yielding pass g. When a later pass fails,
+    it is undone: the pool holds what the passes before it left (their experts in their
+    slots, byte for byte), the error reaches the caller, and the next call is right."""
+    weights, provider = warm(device, "device")
+    ids = torch.arange(E, device=device).reshape(4, 2)  # 8 experts, 4 slots: 4 overlapped passes of 2
+    monkeypatch.setattr(device_prepare, step, fail_on_call(getattr(device_prepare, step), RuntimeError,
+                                                           failing_pass + 1))  # fmt: skip
+    taken = 0
+    with pytest.raises(RuntimeError, match="injected"):
+        for _ in provider.passes(ids, overlap=True):
+            taken += 1
+    monkeypatch.undo()
+    assert taken == failing_pass - 1  # pass g is yielded once pass g + 1 is enqueued
+    stats = provider.stats
+    assert stats.hits + stats.misses - 6 == 2 * failing_pass  # the warm-up looked up 6 keys; then 2 a pass done
+    for expert in provider.resident():  # no torn slot: what the tables say is what the slots hold
+        for name, tensor in provider.pool.tensors.items():
+            assert torch.equal(tensor[provider.slot_of(expert)].cpu(), provider.store.tensors[name][expert])
+    assert_next_call_is_right(provider, weights, device)
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
 def test_ctrl_c_during_the_copies_waits_for_the_commit():
     """A real SIGINT during the copies is held until the call has committed, then raised."""
