@@ -57,7 +57,7 @@ def test_copy_service_plans_name_distinct_experts_and_slots():
 def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     """Also the ``--serial`` rows: the same function, passes one after the other (full
     groups where the overlapped rows take half ones)."""
-    flags = ["--dry-run", "--only", "device 25%", "copies only", "serial", "--batch-sizes", "1", "4", "16",
+    flags = ["--dry-run", "--only", "device 25%", "copies only", "serial", "--batch-sizes", "1", "8",
              "--fractions", "0.25", "--serial", "0.25", "--coded", "--prefetch"]  # fmt: skip
     command = [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags]
     done = subprocess.run(
@@ -68,7 +68,7 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     with path.open(newline="") as handle:
         rows = {(row["variant"], row["batch"]): row for row in csv.DictReader(handle)}
     assert {variant for variant, _ in rows} == {"resident", "device", "device copies only", "device serial"}
-    for batch in ("1", "4", "16"):
+    for batch in ("1", "8"):
         cached, floor, one_by_one = (
             rows[("device", batch)],
             rows[("device copies only", batch)],
@@ -80,5 +80,5 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
         assert float(cached["rel_err"]) == 0.0 == float(one_by_one["rel_err"])  # the resident step's output
         assert floor["rel_err"] == ""  # the floor computes no experts: no output to compare
         assert (cached["overlap"], one_by_one["overlap"]) == ("on", "off")
-    # 16 tokens do not fit in a quarter of the experts: overlapped passes take half groups
-    assert int(rows[("device", "16")]["max_passes"]) > int(rows[("device serial", "16")]["max_passes"]) > 1
+    # 8 tokens may need more experts than a quarter of them: overlapped passes take half groups
+    assert int(rows[("device", "8")]["max_passes"]) > int(rows[("device serial", "8")]["max_passes"]) > 1
