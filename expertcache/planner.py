@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from expertcache.sim import ReplayResult, TraceCalls, replay_streams, trace_calls, unbounded
 from expertcache.trace import RoutingTrace
@@ -122,6 +123,7 @@ def plan(
     min_gain: float = 0.005,
     progress: Callable[[int], Callable[[], None]] | None = None,
     copy_bytes: int | None = None,
+    oversize: Literal["passes", "overlapped"] = "passes",
 ) -> Plan:
     """Score ``policies`` (plus Belady and unbounded) at several sizes on ``trace``.
 
@@ -138,12 +140,18 @@ def plan(
         progress: ``progress(total) -> tick`` to report each finished replay.
         copy_bytes: bytes one miss reads from the host when they differ from
             ``expert_bytes``: a compressed store's record (``Manifest.compressed_expert_bytes``).
+        oversize: how a call of more experts than a pool's share is replayed: ``"passes"``
+            (one after the other, as ``passes(ids)`` serves it) or ``"overlapped"`` (as
+            ``passes(ids, overlap=True)`` does, in a decode stack); see `expertcache.sim.replay`.
 
     Raises:
         TypeError / ValueError: any argument of the wrong type or out of range (an empty
             trace, an unknown or repeated policy, a fraction outside (0, 1], fewer model
-            layers than the trace records, a bandwidth that is not a positive number).
+            layers than the trace records, a bandwidth that is not a positive number, an
+            unknown ``oversize``).
     """
+    if oversize not in ("passes", "overlapped"):
+        raise ValueError(f"oversize must be 'passes' or 'overlapped', got {oversize!r}")
     policies = check_policies(policies)
     _check_arguments(trace, expert_bytes, gpu_budget_bytes, bandwidth_bytes_per_second, model_layers)
     if copy_bytes is not None:
@@ -165,7 +173,7 @@ def plan(
         streams = trace_calls(trace, scope=scope)
         scale = 1 if scope == "layer" else trace.num_layers
         for size in sizes:
-            rows += [_score(streams, scope, size * scale, name, cost, tick) for name in names]
+            rows += [_score(streams, scope, size * scale, name, cost, tick, oversize) for name in names]
             rows.append(cost.row(scope, size * scale, streams, "unbounded", unbounded(streams)))
     return Plan(
         rows=tuple(rows),
@@ -249,8 +257,9 @@ def _score(
     policy: str,
     cost: _Cost,
     tick: Callable[[], None],
+    oversize: Literal["passes", "overlapped"],
 ) -> PlanRow:
-    result = replay_streams(streams, policy=policy, capacity=slots)
+    result = replay_streams(streams, policy=policy, capacity=slots, oversize=oversize)
     tick()
     return cost.row(scope, slots, streams, policy, result)
 

@@ -115,3 +115,31 @@ def test_cli_accepts_a_shared_trace_file_directly(capsys):
     out = capsys.readouterr().out
     assert "allenai/OLMoE-1B-7B-0924" in out
     assert "--moe-expert-cache-size 8" in out  # 1.7 GB = 134 slots over 16 layers
+
+
+def test_overlapped_passes_replay_as_a_decode_stack_serves_them(tmp_path, capsys):
+    """The 10-token prefill does not fit a pool of 2-3 slots: ``oversize="overlapped"``
+    replays it in groups of half the share, as ``passes(ids, overlap=True)`` does, and the
+    counts are that replay's; the CLI flag says which one it ran."""
+    from expertcache.sim import replay_streams, trace_calls
+
+    trace = _trace()
+    plain, overlapped = (
+        plan(trace, expert_bytes=1000, gpu_budget_bytes=6000, policies=["lru"], oversize=oversize)
+        for oversize in ("passes", "overlapped")
+    )
+    for result, oversize in ((plain, "passes"), (overlapped, "overlapped")):
+        for policy in ("lru", "belady"):
+            row = result.row("layer", 2, policy)
+            replayed = replay_streams(trace_calls(trace, scope="layer"), policy=policy, capacity=2, oversize=oversize)
+            assert (row.hits, row.misses, row.split_calls) == (replayed.hits, replayed.misses, replayed.split_calls)
+    assert plain.rows != overlapped.rows  # other groups, other decisions (here Belady's)
+    with pytest.raises(ValueError, match="oversize"):
+        plan(trace, expert_bytes=1000, gpu_budget_bytes=6000, oversize="raise")
+    path = tmp_path / "trace.npz"
+    trace.save(path)
+    common = ["plan", "--trace", str(path), "--expert-bytes", "1000", "--gpu-budget", "0.000006", "--no-progress"]
+    assert main([*common, "--overlapped-passes"]) == 0
+    assert "calls that do not fit: overlapped passes" in capsys.readouterr().out
+    assert main(common) == 0
+    assert "calls that do not fit: passes one after the other" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 
     expertcache plan --trace FILE (--expert-bytes B | --manifest FILE) --gpu-budget GB
                      [--bandwidth GBps] [--layers N] [--plot FILE.png] [--csv FILE]
-                     [--compression exponent [--compression-ratio R]]
+                     [--compression exponent [--compression-ratio R]] [--overlapped-passes]
 
 ``--trace`` takes a RoutingTrace ``.npz``, any ``shared/traces`` file or folder (see
 `expertcache.trace.load_trace`). GB here are 1e9 bytes.
@@ -13,6 +13,11 @@ buys, stay raw. The bytes per miss come from, in this order: ``--compression-rat
 (R x expert bytes); the manifest's ``compressed_expert_bytes`` when it was written from an
 exponent-coded cache (measured on the model's own experts: the figure to trust); else
 `DEFAULT_EXPONENT_RATIO` x expert bytes, stated in the output.
+
+A call that routes to more experts than a pool's share (a prefill, a batch of requests) is
+replayed in expert-group passes, as ``provider.passes(ids)`` serves it (the transformers
+integration); ``--overlapped-passes`` replays it as ``passes(ids, overlap=True)`` does (a
+decode stack such as `expertcache.decode_stack.DecodeStack`: groups of half the share).
 """
 
 from __future__ import annotations
@@ -74,6 +79,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_number(1.0),
         help="coded / raw bytes of one expert, in (0, 1]; with --compression exponent",
     )
+    parser.add_argument(
+        "--overlapped-passes",
+        action="store_true",
+        help="replay calls that do not fit as overlapped passes (passes(ids, overlap=True), as a decode "
+        "stack serves them) instead of passes one after the other",
+    )
     parser.set_defaults(func=run)
 
 
@@ -119,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         policies=policies,
         progress=None if args.no_progress else _progress_bar,
         copy_bytes=copy_bytes,
+        oversize="overlapped" if args.overlapped_passes else "passes",
     )
     print(_describe(trace, expert_bytes, args))
     if copy_source:
@@ -206,6 +218,7 @@ def _describe(trace, expert_bytes: int, args: argparse.Namespace) -> str:
         f"  notes: {trace.notes}" if trace.notes else "",
         f"expert bytes {expert_bytes:,}; GPU budget {args.gpu_budget:g} GB"
         + (f"; copy bandwidth {args.bandwidth:g} GB/s" if args.bandwidth else ""),
+        f"calls that do not fit: {'overlapped passes' if args.overlapped_passes else 'passes one after the other'}",
     ]
     return "\n".join(line for line in lines if line)
 
