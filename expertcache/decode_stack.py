@@ -7,10 +7,11 @@ The shape of what an engine runs per generated token, with the cache inside::
                      results = provider.passes(ids, overlap=True)   (cache: admit, copy, remap)
                      h = h + apply(h, results, weights)             (moe_apply over the passes)
 
-A call needing more experts than the slots runs as several passes (`expertcache.passes`);
-decode batches that fit take one, or in device mode two when the pool cannot hold the whole
-layer: its hits, computed while its misses are copied on a side stream, then its misses
-(``overlap``; the apply sums passes exactly, so the output is the same bits).
+A call needing more experts than the slots runs as several passes (`expertcache.passes`),
+overlapped (``overlap``): groups of half the slots, each pass's copies on a side stream while
+the pass before computes. Decode batches that fit take one pass, or in device mode two when
+the pool cannot hold the whole layer: its hits, computed while its misses are copied on a
+side stream, then its misses. The apply sums passes exactly, so the output is the same bits.
 
 ``step(h, routing, prefetch)`` also hands each layer's predicted experts to the next
 layer's cache as soon as this layer's router has run (``providers[l + 1].prefetch``, device
@@ -55,10 +56,11 @@ class DecodeStack:
         seed: the dense parts are drawn from it, so stacks with the same seed compute the
             same function.
         apply: the expert kernel over a call's passes (default `moe_apply_passes`).
-        overlap: let device-mode caches overlap copies with the hits' compute
-            (``provider.passes(ids, overlap=True)``): only for an ``apply`` that sums passes
-            exactly. Default (None): on for `moe_apply_passes` and `moe_apply_quant_passes`,
-            off for any other ``apply``.
+        overlap: let the caches overlap copies with compute (``provider.passes(ids,
+            overlap=True)``: overlapped passes, and a decode call's hits computed while its
+            misses are copied): only for an ``apply`` that sums passes exactly. Default
+            (None): on for `moe_apply_passes` and `moe_apply_quant_passes`, off for any
+            other ``apply``.
     """
 
     def __init__(
