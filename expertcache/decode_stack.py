@@ -40,6 +40,13 @@ from expertcache.validation import check_overlap
 if TYPE_CHECKING:
     from expertcache.cached_provider import CachedWeightProvider
 
+#: Calls of at most this many ids (``T * K``) take overlapped passes when the stack overlaps;
+#: larger ones (a prefill) take passes one after the other. Measured on an H200
+#: (benchmarks/README.md, runs 38-39): overlapped passes made decode batches of 8-128 tokens
+#: (64-1024 ids) 1.5-2% faster and prefills of 1024 and 4096 tokens 7-8% slower (twice the
+#: passes, each sorting every (token, choice) pair of the call).
+OVERLAP_MAX_IDS = 1024
+
 #: An expert apply over the passes of one call: ``(hidden [T, H], results, topk_weights
 #: [T, K]) -> [T, H]`` in ``hidden``'s dtype (`expertcache.kernels.moe_apply_passes`).
 ExpertApply = Callable[[torch.Tensor, Iterable[ExpertWeightResult], torch.Tensor], torch.Tensor]
@@ -58,9 +65,9 @@ class DecodeStack:
         apply: the expert kernel over a call's passes (default `moe_apply_passes`).
         overlap: let the caches overlap copies with compute (``provider.passes(ids,
             overlap=True)``: overlapped passes, and a decode call's hits computed while its
-            misses are copied): only for an ``apply`` that sums passes exactly. Default
-            (None): on for `moe_apply_passes` and `moe_apply_quant_passes`, off for any
-            other ``apply``.
+            misses are copied), for calls of at most `OVERLAP_MAX_IDS` ids: only for an
+            ``apply`` that sums passes exactly. Default (None): on for `moe_apply_passes`
+            and `moe_apply_quant_passes`, off for any other ``apply``.
     """
 
     def __init__(
@@ -117,7 +124,8 @@ class DecodeStack:
             weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
             if prefetch is not None and layer + 1 < self.num_layers:  # device-mode caches (checked above)
                 cast("CachedWeightProvider", self.providers[layer + 1]).prefetch(prefetch[layer + 1])
-            results = provider.passes(ids, overlap=True) if self.overlap else provider.passes(ids)
+            overlap = self.overlap and ids.numel() <= OVERLAP_MAX_IDS
+            results = provider.passes(ids, overlap=True) if overlap else provider.passes(ids)
             h = h + self.apply(h, results, weights)
         return h
 

@@ -416,6 +416,27 @@ def test_decode_stack_overlaps_only_with_an_apply_that_sums_passes_exactly(devic
     assert out.shape == (1, HIDDEN)
 
 
+def test_decode_stack_overlaps_decode_sized_calls_only(monkeypatch):
+    """A prefill-sized call (more than ``OVERLAP_MAX_IDS`` ids) takes passes one after the
+    other, a decode-sized one overlapped passes; the output is the same either way."""
+    from expertcache import decode_stack
+    from expertcache.decode_stack import DecodeStack
+
+    weights = random_weights(6, HIDDEN, INTER)
+    provider = CachedWeightProvider(weights, cache_size=2, mode="host")
+    asked = []
+    real = provider.passes
+    monkeypatch.setattr(provider, "passes", lambda ids, **kwargs: asked.append(kwargs) or real(ids, **kwargs))
+    monkeypatch.setattr(decode_stack, "OVERLAP_MAX_IDS", 8)
+    stack = DecodeStack([provider], HIDDEN, 6, dtype=torch.float32, device="cpu")
+    full = DecodeStack([FullGPUProvider(weights)], HIDDEN, 6, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(2)
+    for tokens in (4, 5):  # 8 ids, then 10
+        hidden, routing = torch.randn(tokens, HIDDEN, generator=gen), random_topk(tokens, 2, 6, generator=gen)[None]
+        assert torch.equal(stack.step(hidden, routing), full.step(hidden, routing))
+    assert asked == [{"overlap": True}, {}]
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_overlap_must_be_a_bool_and_a_bad_one_changes_nothing(device, mode):
