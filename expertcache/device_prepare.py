@@ -161,14 +161,14 @@ def _hits_then_misses(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> It
     hits = _admit_and_copy(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index,
                            pool.no_passes, 0, misses)  # fmt: skip
     pool.copies_pending = pool.copy_stream() is not None
-    pool.misses_owed = True  # their slots are promised: no prefetch may take them meanwhile
+    pool.passes_owed = True  # their slots are promised: no prefetch may take them meanwhile
     try:
         yield hits
-        pool.misses_owed = False
+        pool.passes_owed = False
         join_copies(pool)  # the misses' slots are filled once the current stream has joined
         yield misses
     finally:
-        pool.misses_owed = False
+        pool.passes_owed = False
         join_copies(pool)  # the caller stopped early: join anyway
 
 
@@ -193,10 +193,10 @@ def _overlapped_passes(
                 pending.append(enqueue(index))
             else:
                 join_copies(pool)
-            pool.misses_owed = index < count  # a pass not yet taken: its slots are promised
+            pool.passes_owed = index < count  # a pass not yet taken: its slots are promised
             yield pending.pop(0)
     finally:
-        pool.misses_owed = False
+        pool.passes_owed = False
         join_copies(pool)  # the caller stopped early: join anyway
 
 
@@ -243,7 +243,7 @@ def _admit_and_copy(
     where = dict(num_global=entry.num_global, key_offset=entry.key_offset)
     with owner.guard, on_device(owner.device), deferred_interrupts():
         join_copies(owner)
-        owner.misses_owed = False  # a new call ends what an earlier one's slots held
+        owner.passes_owed = False  # a new call ends what an earlier one's slots held
         with _undone_on_error(owner, tables, named, copy_stream):
             if passes is not None and pass_index == 0:
                 assign_passes(tables, topk_ids, entry.global_to_local, passes, overlap=overlap, **where)

@@ -128,8 +128,9 @@ class SlotPool:
         self._copy_stream: torch.cuda.Stream | None = None
         #: an overlapped call's copies are on the copy stream, not yet joined (device_prepare)
         self.copies_pending = False
-        #: an overlapped call yielded its hits and still owes its misses pass (device_prepare)
-        self.misses_owed = False
+        #: an overlapped call still owes a pass whose slots it promised: its misses, or a pass
+        #: whose copies are running (device_prepare)
+        self.passes_owed = False
         #: what the copy stream still reads (a prefetch's ids): alive until the next call joins it
         self.copy_inputs: tuple[torch.Tensor, ...] = ()
         self.policy = chosen  # claimed by the first attach, so a pool that never serves binds nothing
@@ -318,7 +319,7 @@ class SlotPool:
             raise RuntimeError(
                 "prefetch enqueues on a side stream and cannot be compiled; call it outside the compiled region"
             )
-        if self.misses_owed:
+        if self.passes_owed:
             raise RuntimeError(
                 "an overlapped call of this pool has yet to yield a pass whose slots a prefetch could "
                 "overwrite: take its passes (or close its generator) first"

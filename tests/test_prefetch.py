@@ -118,6 +118,26 @@ def test_no_prefetch_between_an_overlapped_calls_hits_and_misses(device):
     assert {8, 9} <= provider.resident()
 
 
+@pytest.mark.parametrize("device", devices())
+def test_no_prefetch_while_overlapped_passes_are_owed(device):
+    """Overlapped passes: once pass g is yielded, pass g + 1's copies are running into slots
+    it was promised; a prefetch raises until the last pass is taken, changing nothing."""
+    gen = torch.Generator().manual_seed(7)
+    weights = random_weights(E, HIDDEN, INTER, generator=gen)
+    provider = provider_on(device, weights)
+    ids = torch.arange(E, device=device).reshape(-1, 2)  # every expert: more than the slots
+    passes = provider.passes(ids, overlap=True)
+    taken = [next(passes)]
+    before = views(provider), provider.prefetch_stats
+    with pytest.raises(RuntimeError, match="yet to yield a pass"):
+        provider.prefetch(torch.tensor([0, 1], device=device))
+    assert (views(provider), provider.prefetch_stats) == before
+    taken += list(passes)
+    assert len(taken) > 2
+    provider.prefetch(torch.tensor([0, 1], device=device))  # the call is over: allowed again
+    assert {0, 1} <= provider.resident()
+
+
 def test_a_stack_refuses_predictions_it_cannot_prefetch_before_running_a_layer():
     from expertcache.decode_stack import DecodeStack
 
