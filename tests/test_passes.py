@@ -5,6 +5,8 @@
 * over-capacity calls (T up to 4096, slots down to top-k, pools shared by layers, EP maps)
   equal the full-weights reference exactly, in host and device mode, and each expert is
   loaded at most once per call;
+* overlapped passes (``overlap=True``) take half the share and never overwrite a slot the
+  pass before reads (LRU); a decode stack overlaps decode-sized calls only;
 * ``moe_apply_passes`` over the passes is bit-identical to `moe_apply` on all experts;
 * a CUDA graph of a step whose calls need several passes replays with changing routing
   and equals eager (GPU).
