@@ -23,11 +23,11 @@ process, one set of pinned stores shared by every variant, one apply kernel
                      overlap or kernel change can go under, since a layer's copies wait for
                      its router
 
-(`DecodeStack` serves the device variants' calls with ``passes(ids, overlap=True)``: a call
-that does not fit runs in overlapped passes, groups of half the slots, each pass's copies on
-a side stream while the pass before computes; a call of at most 64 ids that fits in one pass
-on a pool smaller than the layer is served as its hits, then its misses. The ``max_passes``
-column is the most passes the call's shape allows.)
+(`DecodeStack` serves the device variants' calls of at most 1,024 ids with ``passes(ids,
+overlap=True)`` on pools smaller than the layer: a call that does not fit runs in overlapped
+passes, groups of half the slots, each pass's copies on a side stream while the pass before
+computes, and the first pass (the whole call, when it fits) comes as its hits, then its
+misses. The ``max_passes`` column is the most passes the call's shape allows.)
 
 at 25% / 50% / 100% of each layer's experts in slots. Each variant warms up, then a run of
 steps is timed with CUDA events (one graph per batch size). At 100% the warm-up first steps

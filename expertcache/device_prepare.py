@@ -25,20 +25,20 @@ need are empty (launches only)::
     pass 0      assign passes, admit pass 0, copy      -> slot ids of pass 0, -1 elsewhere
     pass g > 0  admit pass g, copy                     -> slot ids of pass g, -1 elsewhere
 
-``passes(..., overlap=True)`` (the caller sums passes exactly) overlaps copies with compute
-on the pool's copy stream. A call that needs several passes takes groups of half the share
-(`expertcache.passes`), and each pass's copies run while the previous pass computes::
+``passes(..., overlap=True)`` (the caller sums passes exactly) on a pool smaller than the
+layer overlaps copies with compute. A call that needs several passes takes groups of half
+the share (`expertcache.passes`); a call that fits is one pass. Every admission and copy of
+the call runs on the pool's copy stream, in pass order; the current stream waits on events,
+and pass 0 is served as its hits, then its misses, so the hits' compute hides its copies::
 
-    pass g      current stream joins the copies of pass g - 1; admit pass g;
-                copy stream waits for the current one (the apply of pass g - 2), copies
-                                                       -> slot ids of pass g (once joined)
+    enqueue pass g    copy stream waits for the current one (the apply of pass g - 2);
+                      admit pass g (pass 0: hits and misses written apart), copy
+    pass 0, hits      current stream waits for pass 0's admission -> hits' slot ids, -1 elsewhere
+    pass 0, misses    current stream waits for pass 0's copies    -> misses' slot ids
+    pass g > 0        current stream waits for pass g's copies    -> slot ids of pass g
 
-A decode call on a pool smaller than the layer that fits in one pass is split instead, so
-the hits' compute hides part of the copies::
-
-    hits        admit (hits and misses written apart), copy on the pool's copy stream
-                                                       -> hits' slot ids, -1 for misses
-    misses      current stream joins the copy stream   -> misses' slot ids, -1 for hits
+Pass g + 1 is enqueued just before pass g is yielded (passes 0 and 1 together), so its
+copies run while pass g computes.
 
 ``prefetch(ids)`` admits and copies predicted experts on the pool's copy stream (counted
 apart, in the ``prefetched`` counters); the pool's next call joins that stream first::
@@ -53,7 +53,7 @@ import dataclasses
 import itertools
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -62,7 +62,7 @@ from expertcache.call_plan import Load
 from expertcache.errors import CacheCapacityError
 from expertcache.host_prepare import local_keys
 from expertcache.kernels._launch import on_device
-from expertcache.kernels.admission import SMALL_CALL, admit
+from expertcache.kernels.admission import admit
 from expertcache.kernels.passes import assign_passes
 from expertcache.kernels.slot_tables import SlotTables
 from expertcache.mover import copy_with_kernel, restore_slots
@@ -120,8 +120,8 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bo
     """Device-mode ``SlotPool.passes``: slot ids of each pass (see the module docstring)."""
     overlap = overlap and not torch.compiler.is_compiling()  # a traced op runs on no side stream
     count = max_passes(topk_ids.numel(), layer.num_experts, pool.share, overlap=overlap)
-    if count == 1 and overlap and _splits(pool, layer, topk_ids):
-        yield from _hits_then_misses(pool, layer, topk_ids.contiguous())
+    if overlap and pool.share < layer.num_experts:  # else nothing is missed once warm: one pass
+        yield from _overlapped_passes(pool, layer, topk_ids.contiguous(), count)
         return
     if count == 1:
         yield prepare(pool, layer, topk_ids)
@@ -129,9 +129,6 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bo
     ids = topk_ids.contiguous()
     with torch.inference_mode(False):
         pass_of = torch.empty(ids.shape, dtype=torch.int32, device=pool.device)
-    if overlap:
-        yield from _overlapped_passes(pool, layer, ids, pass_of, count)
-        return
     for index in range(count):
         yield _run(pool, layer, ids, pass_of, index)
 
@@ -147,57 +144,87 @@ def _capacity(pool: SlotPool) -> str:
     return f"num_slots={pool.num_slots}" if len(pool.layers) == 1 else f"share={pool.share} (num_slots // layers)"
 
 
-def _splits(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> bool:
-    """Whether a one-pass call is served as its hits, then its misses: a decode-sized call on
-    a pool whose share cannot hold every expert of the layer (else nothing is missed once
-    warm, and the second pass would cost launches only), outside ``torch.compile`` (streams)."""
-    return topk_ids.numel() <= SMALL_CALL and pool.share < layer.num_experts and not torch.compiler.is_compiling()
+class _Enqueued(NamedTuple):
+    """One overlapped pass on the copy stream: its slot ids (hits only for a split pass),
+    the misses' slot ids of a split pass, and the events after its admission and copies
+    (None without a copy stream: then all of it ran on the current stream)."""
+
+    slot_ids: torch.Tensor
+    miss_slot_ids: torch.Tensor | None
+    admitted: torch.cuda.Event | None
+    copied: torch.cuda.Event | None
 
 
-def _hits_then_misses(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> Iterator[torch.Tensor]:
-    """One call as two passes: the hits' slot ids at once, while the misses are copied on
-    the pool's copy stream; the misses' slot ids once the current stream has joined it."""
-    misses = torch.empty_like(ids)
-    hits = _admit_and_copy(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index,
-                           pool.no_passes, 0, misses)  # fmt: skip
-    pool.copies_pending = pool.copy_stream() is not None
-    pool.passes_owed = True  # their slots are promised: no prefetch may take them meanwhile
+def _overlapped_passes(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, count: int) -> Iterator[torch.Tensor]:
+    """``count`` passes (one for a call that fits), pass 0 split into its hits and its
+    misses, every admission and copy on the pool's copy stream in pass order. Pass g's
+    results are yielded once the current stream waits for its admission (hits) or its
+    copies; pass g + 1 is enqueued before pass g is yielded, after the caller's kernels
+    of pass g - 1: the slots it overwrites are only ever those of passes before g."""
+    pass_of = pool.no_passes
+    if count > 1:
+        with torch.inference_mode(False):
+            pass_of = torch.empty(ids.shape, dtype=torch.int32, device=pool.device)
+    main = torch.cuda.current_stream(pool.device) if pool.copy_stream() is not None else None
     try:
-        yield hits
-        pool.passes_owed = False
-        join_copies(pool)  # the misses' slots are filled once the current stream has joined
-        yield misses
+        first = _enqueue_pass(pool, layer, ids, pass_of, 0, split=True)
+        following = _enqueue_pass(pool, layer, ids, pass_of, 1) if count > 1 else None
+        pool.passes_owed = True  # the misses' slots are promised: no prefetch may take them meanwhile
+        _wait(main, first.admitted)
+        yield first.slot_ids
+        pool.passes_owed = count > 1
+        _wait(main, first.copied)
+        yield first.miss_slot_ids
+        for index in range(1, count):
+            current, following = following, None
+            if index + 1 < count:
+                following = _enqueue_pass(pool, layer, ids, pass_of, index + 1)
+            pool.passes_owed = following is not None
+            _wait(main, current.copied)
+            yield current.slot_ids
     finally:
         pool.passes_owed = False
-        join_copies(pool)  # the caller stopped early: join anyway
+        join_copies(pool)  # the caller stopped early, or the last pass: join the copy stream
 
 
-def _overlapped_passes(
-    pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Tensor, count: int
-) -> Iterator[torch.Tensor]:
-    """``count`` passes, each one's copies on the pool's copy stream while the one before
-    computes. Enqueueing pass g + 1 first joins the copies of pass g (so pass g's slots
-    are filled before its result is used) and forks after the caller's kernels of pass
-    g - 1: the slots pass g + 1 overwrites are only ever those of passes before g."""
+def _wait(main: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+    if event is not None:
+        main.wait_event(event)
 
-    def enqueue(index: int) -> torch.Tensor:
-        out = _admit_and_copy(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index,
-                              pass_of, index, overlap=True)  # fmt: skip
-        pool.copies_pending = pool.copy_stream() is not None
-        return out
 
-    try:
-        pending = [enqueue(0)]
-        for index in range(1, count + 1):
-            if index < count:
-                pending.append(enqueue(index))
-            else:
-                join_copies(pool)
-            pool.passes_owed = index < count  # a pass not yet taken: its slots are promised
-            yield pending.pop(0)
-    finally:
-        pool.passes_owed = False
-        join_copies(pool)  # the caller stopped early: join anyway
+def _enqueue_pass(
+    pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Tensor, index: int, split: bool = False
+) -> _Enqueued:
+    """Admit pass ``index`` of an overlapped call and copy its misses, both on the pool's
+    copy stream after what the current stream holds (atomic like a call: a failure is
+    undone there). The outputs are allocated on the current stream, which reads them."""
+    copy_stream = pool.copy_stream()
+    out = torch.empty_like(ids)
+    misses = torch.empty_like(ids) if split else None
+    named = dict(pool.tensors)
+    passes = pass_of if pass_of.numel() else None
+    where = dict(num_global=layer.num_global, key_offset=layer.key_offset)
+    with pool.guard, on_device(pool.device), deferred_interrupts():
+        pool.copies_pending = copy_stream is not None  # from here on, the generator's end joins
+        with _on_stream(copy_stream), _undone_on_error(pool, pool.tables, named, None):
+            if passes is not None and index == 0:
+                assign_passes(pool.tables, ids, layer.global_to_local, passes, overlap=True, **where)
+            admit(
+                pool.tables, ids, layer.global_to_local, out, layer=layer.index, passes=passes, pass_index=index,
+                miss_out=misses, key_layer=pool.key_layer, **where,
+            )  # fmt: skip
+            admitted = _recorded(copy_stream) if split else None
+            copy_with_kernel(named, layer.store, pool.tables.plan, layer.copy_groups)
+            copied = _recorded(copy_stream)
+    return _Enqueued(out, misses, admitted, copied)
+
+
+def _recorded(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None:
@@ -226,15 +253,10 @@ def _admit_and_copy(
     layer: int,
     pass_of: torch.Tensor,
     pass_index: int,
-    misses: torch.Tensor | None = None,
-    overlap: bool = False,
 ) -> torch.Tensor:
-    """One call (``pass_of`` empty) or one pass of a call: admission, then copies. With
-    ``misses`` (a split call) the returned slot ids are the hits', ``misses`` receives the
-    misses'; with ``overlap`` the call's passes are overlapped passes. In both cases the
-    copies run on the pool's copy stream after the admission (the caller joins it)."""
+    """One call (``pass_of`` empty) or one pass of a call on the current stream: admission,
+    then copies (the custom op's implementation)."""
     owner = _POOLS[pool]
-    copy_stream = owner.copy_stream() if misses is not None or overlap else None
     entry = owner.ordered_layers[layer]
     tables = owner.tables if state.data_ptr() == owner.tables.buffer.data_ptr() else _view_like(owner.tables, state)
     out = torch.empty_like(topk_ids)
@@ -244,15 +266,14 @@ def _admit_and_copy(
     with owner.guard, on_device(owner.device), deferred_interrupts():
         join_copies(owner)
         owner.passes_owed = False  # a new call ends what an earlier one's slots held
-        with _undone_on_error(owner, tables, named, copy_stream):
+        with _undone_on_error(owner, tables, named, None):
             if passes is not None and pass_index == 0:
-                assign_passes(tables, topk_ids, entry.global_to_local, passes, overlap=overlap, **where)
+                assign_passes(tables, topk_ids, entry.global_to_local, passes, **where)
             admit(
                 tables, topk_ids, entry.global_to_local, out, layer=entry.index, passes=passes, pass_index=pass_index,
-                miss_out=misses, key_layer=owner.key_layer, **where,
+                key_layer=owner.key_layer, **where,
             )  # fmt: skip
-            with _on_stream(copy_stream):
-                copy_with_kernel(named, entry.store, tables.plan, entry.copy_groups)
+            copy_with_kernel(named, entry.store, tables.plan, entry.copy_groups)
     return out
 
 
@@ -294,23 +315,8 @@ def _on_stream(stream: torch.cuda.Stream | None):
     return torch.cuda.stream(stream)
 
 
-def _call_or_pass(
-    topk_ids: torch.Tensor,
-    state: torch.Tensor,
-    slots: list[torch.Tensor],
-    pool: int,
-    layer: int,
-    pass_of: torch.Tensor,
-    pass_index: int,
-) -> torch.Tensor:
-    """`_admit_and_copy` without ``misses``: what ``torch.compile`` sees (it never overlaps).
-    An optional mutated ``misses`` in the op's schema broke fake-tensor tracing on torch 2.11
-    (IndexError inside Dynamo), so the op keeps the schema it had before overlap existed."""
-    return _admit_and_copy(topk_ids, state, slots, pool, layer, pass_of, pass_index)
-
-
 _op = torch.library.custom_op(
-    "expertcache::prepare_on_device", _call_or_pass, mutates_args=("state", "slots", "pass_of")
+    "expertcache::prepare_on_device", _admit_and_copy, mutates_args=("state", "slots", "pass_of")
 )
 
 

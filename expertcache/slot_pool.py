@@ -249,11 +249,10 @@ class SlotPool:
             layer, topk_ids: as in `prepare` (checked before this returns).
             overlap: the caller sums passes exactly (as `expertcache.kernels.moe_apply_passes`
                 does). A call that does not fit then runs in overlapped passes, groups of
-                half the share (`expertcache.passes`), in every mode; in device mode each
-                pass's copies run on the pool's copy stream while the pass before computes.
-                A device-mode pool that cannot hold every expert of the layer serves a
-                decode-sized call (at most 64 ids) that fits in one pass as two: its hits at
-                once, computed while its misses are copied on the pool's copy stream, then
+                half the share (`expertcache.passes`), in every mode. A device-mode pool that
+                cannot hold every expert of the layer admits and copies on its copy stream:
+                each pass's copies run while the pass before computes, and the first pass
+                comes as two, its hits at once (computed while its misses are copied), then
                 its misses. Device mode under ``torch.compile`` (no streams in a traced op)
                 serves the call as without overlap.
 
@@ -261,8 +260,8 @@ class SlotPool:
             An iterator of ``[T, K]`` slot ids, one per pass: this pass's ids remapped,
             -1 for the ids of other passes (and for other ranks' experts). Host mode takes
             ``ceil(distinct experts / G)`` passes (``G`` keys a group); device mode always
-            `expertcache.passes.max_passes` (no sync; the unneeded ones are empty), or two
-            for a split call (hits, then misses). Each pass is atomic: an error leaves the
+            `expertcache.passes.max_passes` (no sync; the unneeded ones are empty), one more
+            when the first pass is split (hits, then misses). Each pass is atomic: an error leaves the
             pool as it was before that pass. A pass's slots hold its experts until the
             next pass (or ``prepare``) on this pool.
         """

@@ -69,8 +69,7 @@ def admit(
         pass_index: the pass to admit.
         miss_out: optional ``[T, K]`` like ``out``: then ``out`` receives only the hits' slot
             ids and ``miss_out`` only the misses' (-1 elsewhere in each), so the hits can be
-            computed while the misses are copied. Calls of at most ``SMALL_CALL`` ids
-            without ``passes`` only.
+            computed while the misses are copied.
         key_layer: ``[num_keys]`` int32, the layer of every key, for a pool of several layers:
             misses then respect the other layers' shares (``tables.share``); None: one layer.
         num_warps: of the launch (default: measured best for the kernel).
@@ -97,23 +96,23 @@ def admit(
     layers = key_layer if key_layer is not None else tables.slot_to_key  # any int32 pointer when unused
     pass_of = passes if passes is not None else out
     state = (tables.expert_to_slot, tables.slot_to_key, tables.last_use, tables.clock)
-    if miss_out is not None:
-        if num_ids > SMALL_CALL or passes is not None:
-            raise ValueError(f"miss_out takes a call of at most {SMALL_CALL} ids without passes")
-        if not miss_out.is_contiguous() or miss_out.shape != out.shape or miss_out.dtype != out.dtype:
-            raise ValueError("miss_out must be a contiguous tensor like out")
+    if miss_out is not None and (
+        not miss_out.is_contiguous() or miss_out.shape != out.shape or miss_out.dtype != out.dtype
+    ):
+        raise ValueError("miss_out must be a contiguous tensor like out")
+    common["SPLIT"] = miss_out is not None
+    miss_out = out if miss_out is None else miss_out  # any pointer of out's type when unused
     if num_ids <= SMALL_CALL:
         _admit_small_kernel[(1,)](
-            topk_ids, mapping, out, out if miss_out is None else miss_out, *state, tables.plan, tables.miss_stamp,
-            tables.counters, layers,
+            topk_ids, mapping, out, miss_out, *state, tables.plan, tables.miss_stamp, tables.counters, layers,
             pass_of, num_ids, num_global, num_slots, key_offset, layer, tables.share, pass_index,
-            BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=num_warps or 4, SPLIT=miss_out is not None,
-            **common,
+            BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=num_warps or 4, **common,
         )  # fmt: skip
     else:
         _admit_kernel[(1,)](
-            topk_ids, mapping, out, *state, tables.first_seen, tables.plan, tables.miss_stamp, tables.counters,
-            layers, pass_of, num_ids, num_global, num_slots, key_offset, layer, tables.share, pass_index,
+            topk_ids, mapping, out, miss_out, *state, tables.first_seen, tables.plan, tables.miss_stamp,
+            tables.counters, layers, pass_of, num_ids, num_global, num_slots, key_offset, layer, tables.share,
+            pass_index,
             BLOCK_IDS=min(1024, triton.next_power_of_2(num_ids)),
             num_warps=num_warps or (4 if block_slots <= 1024 else 8), **common,
         )  # fmt: skip

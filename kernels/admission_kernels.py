@@ -4,7 +4,8 @@ which states their contract).
 * ``_admit_small_kernel`` (calls of at most ``SMALL_CALL`` ids: decode) deduplicates in
   registers; a hit costs two dependent loads (ids, expert -> slot). With ``SPLIT`` it writes
   the hits' and the misses' slot ids to two outputs (an overlapped call).
-* ``_admit_kernel`` (any size: prefill) deduplicates through a scatter-min table.
+* ``_admit_kernel`` (any size: prefill) deduplicates through a scatter-min table. With
+  ``SPLIT`` it marks each missed key there and writes hits and misses apart, as above.
 * ``_place_misses`` (both): the r-th miss takes the r-th coldest evictable slot (in a pool
   of several layers, not one of another layer at or below its share).
 
@@ -25,6 +26,7 @@ from expertcache.kernels.slot_tables import FIRST_SEEN_EMPTY, add_counts
 _KEY_MAX = tl.constexpr(2**63 - 1)  # Triton kernels read only constexpr globals
 _MARK = tl.constexpr(2**62)  # above every (last use + 1, slot) pair: a guarded layer's slots sort last
 _EMPTY = tl.constexpr(FIRST_SEEN_EMPTY)
+_MISSED = tl.constexpr(-2)  # first_seen of a key this call missed (SPLIT): no position is negative
 
 
 @triton.jit
@@ -151,11 +153,11 @@ def _admit_small_kernel(
 
 @triton.jit
 def _admit_kernel(
-    ids_ptr, global_to_local_ptr, out_ptr,
+    ids_ptr, global_to_local_ptr, out_ptr, miss_out_ptr,
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, first_seen_ptr, plan_ptr, miss_stamp_ptr,
     counters_ptr, key_layer_ptr, pass_ptr, num_ids, num_global, num_slots, key_offset, layer, share, pass_index,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
-    HAS_PASSES: tl.constexpr, PDL: tl.constexpr, HAS_SHARES: tl.constexpr,
+    HAS_PASSES: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, HAS_SHARES: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # the copy kernel may launch now; it waits for this kernel on the GPU
         gdc_launch_dependents()
@@ -204,6 +206,8 @@ def _admit_kernel(
             stamp = base + ordinal.to(tl.int64)
             tl.store(last_use_ptr + slot, stamp, mask=is_first & (slot >= 0))
             _list_miss(plan_ptr, miss_stamp_ptr, miss_ordinal, local, key, stamp, is_miss)
+            if SPLIT:  # a missed key's first position is no longer needed: mark the key missed
+                tl.store(first_seen_ptr + key, _MISSED, mask=is_miss)
             ordinal_base += tl.sum(is_first.to(tl.int32), axis=0)
             num_misses += tl.sum(is_miss.to(tl.int32), axis=0)
     tl.debug_barrier()
@@ -226,8 +230,23 @@ def _admit_kernel(
             ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
         )
         slot = tl.where(fits, slot, -1)
+        if SPLIT:  # hits to out, misses to miss_out; the marks are cleared below, once all are read
+            was_missed = tl.load(first_seen_ptr + key, mask=is_local, other=_EMPTY) == _MISSED
+            tl.store(miss_out_ptr + positions, tl.where(was_missed, slot, -1).to(miss_out_ptr.dtype.element_ty),
+                     mask=in_bounds)  # fmt: skip
+            slot = tl.where(was_missed, -1, slot)
+        else:
+            tl.store(first_seen_ptr + key, _EMPTY, mask=is_local)
         tl.store(out_ptr + positions, slot.to(out_ptr.dtype.element_ty), mask=in_bounds)
-        tl.store(first_seen_ptr + key, _EMPTY, mask=is_local)
+    if SPLIT:
+        tl.debug_barrier()
+        for start in range(0, num_ids, BLOCK_IDS):
+            positions = start + tl.arange(0, BLOCK_IDS)
+            in_call = in_pass(pass_ptr, positions, positions < num_ids, pass_index, HAS_PASSES)
+            _, key, is_local, _, _ = lookup_slots(
+                ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
+            )
+            tl.store(first_seen_ptr + key, _EMPTY, mask=is_local)
 
     if fits:
         tl.store(plan_ptr, num_misses)

@@ -48,8 +48,9 @@ def _call(gen: torch.Generator, num_global: int, num_slots: int) -> torch.Tensor
 @pytest.mark.parametrize("shares", [False, True], ids=["one LRU", "layer shares"])
 def test_admission_equals_reference(device, with_map, num_slots, split, shares):
     """Two layers share the tables (key offsets 0 and 6); 40 random calls, state compared after
-    each; ``split``: decode-sized calls write hits and misses to two outputs; ``shares``: the
-    layers keep their shares (calls above a share but within the slots take the fallback)."""
+    each; ``split``: calls write hits and misses to two outputs; ``shares``: the layers keep
+    their shares (calls above a share but within the slots take the fallback). Every fourth
+    call is one pass of a random two-pass assignment."""
     gen = torch.Generator().manual_seed(num_slots + 10 * with_map)
     num_local, num_global = 6, 9
     mapping = torch.full((num_global,), -1, dtype=torch.int32)
@@ -62,7 +63,10 @@ def test_admission_equals_reference(device, with_map, num_slots, split, shares):
         g2l = mapping.to(device) if with_map else None
         outs = [torch.full_like(ids, -7) for _ in range(2)]
         kwargs = dict(num_global=num_global if with_map else num_local, key_offset=num_local * layer, layer=layer)
-        misses = [torch.full_like(ids, -7) for _ in range(2)] if split and ids.numel() <= 64 else [None, None]
+        misses = [torch.full_like(ids, -7) for _ in range(2)] if split else [None, None]
+        if step % 4 == 1:
+            kwargs["passes"] = torch.randint(0, 2, ids.shape, generator=gen, dtype=torch.int32).to(device)
+            kwargs["pass_index"] = (step // 4) % 2
         if shares:
             kwargs["key_layer"] = torch.arange(2, dtype=torch.int32, device=device).repeat_interleave(num_local)
         admit(kernel, ids, g2l, outs[0], miss_out=misses[0], **kwargs)
