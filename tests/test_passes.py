@@ -428,7 +428,7 @@ def test_decode_stack_overlaps_decode_sized_calls_only(monkeypatch):
     from expertcache.decode_stack import DecodeStack
 
     weights = random_weights(6, HIDDEN, INTER)
-    provider = CachedWeightProvider(weights, cache_size=2, mode="host")
+    provider = CachedWeightProvider(weights, cache_size=2, mode="host", device="cpu")
     asked = []
     real = provider.passes
     monkeypatch.setattr(provider, "passes", lambda ids, **kwargs: asked.append(kwargs) or real(ids, **kwargs))
