@@ -427,17 +427,20 @@ def test_decode_stack_overlaps_decode_sized_calls_only(monkeypatch):
     from expertcache import decode_stack
     from expertcache.decode_stack import DecodeStack
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the apply's kernels run there
     weights = random_weights(6, HIDDEN, INTER)
-    provider = CachedWeightProvider(weights, cache_size=2, mode="host", device="cpu")
+    provider = CachedWeightProvider(weights, cache_size=2, mode="host", device=device)
     asked = []
     real = provider.passes
     monkeypatch.setattr(provider, "passes", lambda ids, **kwargs: asked.append(kwargs) or real(ids, **kwargs))
     monkeypatch.setattr(decode_stack, "OVERLAP_MAX_IDS", 8)
-    stack = DecodeStack([provider], HIDDEN, 6, dtype=torch.float32, device="cpu")
-    full = DecodeStack([FullGPUProvider(weights)], HIDDEN, 6, dtype=torch.float32, device="cpu")
+    stack = DecodeStack([provider], HIDDEN, 6, dtype=torch.float32, device=device)
+    full = DecodeStack([FullGPUProvider({name: w.to(device) for name, w in weights.items()})], HIDDEN, 6,
+                       dtype=torch.float32, device=device)  # fmt: skip
     gen = torch.Generator().manual_seed(2)
     for tokens in (4, 5):  # 8 ids, then 10
-        hidden, routing = torch.randn(tokens, HIDDEN, generator=gen), random_topk(tokens, 2, 6, generator=gen)[None]
+        hidden = torch.randn(tokens, HIDDEN, generator=gen).to(device)
+        routing = random_topk(tokens, 2, 6, generator=gen)[None].to(device)
         assert torch.equal(stack.step(hidden, routing), full.step(hidden, routing))
     assert asked == [{"overlap": True}, {}]
 
