@@ -9,9 +9,10 @@ The shape of what an engine runs per generated token, with the cache inside::
 
 A call needing more experts than the slots runs as several passes (`expertcache.passes`),
 overlapped (``overlap``): groups of half the slots, each pass's copies on a side stream while
-the pass before computes. Decode batches that fit take one pass, or in device mode two when
-the pool cannot hold the whole layer: its hits, computed while its misses are copied on a
-side stream, then its misses. The apply sums passes exactly, so the output is the same bits.
+the pass before computes. Decode batches that fit take one pass. In device mode, on a pool
+that cannot hold the whole layer, the first pass comes as two: its hits, computed while its
+misses are copied on a side stream, then its misses. The apply sums passes exactly, so the
+output is the same bits.
 
 ``step(h, routing, prefetch)`` also hands each layer's predicted experts to the next
 layer's cache as soon as this layer's router has run (``providers[l + 1].prefetch``, device
