@@ -142,7 +142,9 @@ def plan(
             ``expert_bytes``: a compressed store's record (``Manifest.compressed_expert_bytes``).
         oversize: how a call of more experts than a pool's share is replayed: ``"passes"``
             (one after the other, as ``passes(ids)`` serves it) or ``"overlapped"`` (as
-            ``passes(ids, overlap=True)`` does, in a decode stack); see `expertcache.sim.replay`.
+            ``passes(ids, overlap=True)`` does, in a decode stack: every call that does not
+            fit, where `DecodeStack` overlaps only calls of at most 1,024 ids); see
+            `expertcache.sim.replay`.
 
     Raises:
         TypeError / ValueError: any argument of the wrong type or out of range (an empty

@@ -16,8 +16,10 @@ exponent-coded cache (measured on the model's own experts: the figure to trust);
 
 A call that routes to more experts than a pool's share (a prefill, a batch of requests) is
 replayed in expert-group passes, as ``provider.passes(ids)`` serves it (the transformers
-integration); ``--overlapped-passes`` replays it as ``passes(ids, overlap=True)`` does (a
-decode stack such as `expertcache.decode_stack.DecodeStack`: groups of half the share).
+integration); ``--overlapped-passes`` replays every such call as ``passes(ids,
+overlap=True)`` does (groups of half the share), as `expertcache.decode_stack.DecodeStack`
+serves its decode calls; it serves calls of more than ``OVERLAP_MAX_IDS`` (1,024) ids, a
+long prefill, one pass after the other, which this flag does not tell apart.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--overlapped-passes",
         action="store_true",
         help="replay calls that do not fit as overlapped passes (passes(ids, overlap=True), as a decode "
-        "stack serves them) instead of passes one after the other",
+        "stack serves decode calls of at most 1,024 ids) instead of passes one after the other",
     )
     parser.set_defaults(func=run)
 
