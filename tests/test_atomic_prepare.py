@@ -153,6 +153,28 @@ def test_a_failing_overlapped_pass_leaves_the_passes_before_it(monkeypatch, devi
     assert_next_call_is_right(provider, weights, device)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("taken", [1, 2, 3])
+def test_an_overlapped_call_stopped_early_leaves_a_sound_pool(device, taken):
+    """The caller takes ``taken`` results of an overlapped call (pass 0's hits, its misses,
+    pass 1) and closes the generator, with later passes admitted and copying: the copy
+    stream is joined, every resident expert's slot holds its bytes, a prefetch is allowed
+    again and the next call is right."""
+    weights, provider = warm(device, "device")
+    ids = torch.arange(E, device=device).reshape(4, 2)  # 8 experts, 4 slots: 4 overlapped passes of 2
+    passes = provider.passes(ids, overlap=True)
+    for _ in range(taken):
+        next(passes)
+    passes.close()
+    assert not provider.pool.copies_pending
+    for expert in provider.resident():
+        for name, tensor in provider.pool.tensors.items():
+            assert torch.equal(tensor[provider.slot_of(expert)].cpu(), provider.store.tensors[name][expert])
+    provider.prefetch(torch.tensor([6, 7], device=device))
+    assert {6, 7} <= provider.resident()
+    assert_next_call_is_right(provider, weights, device)
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
 def test_ctrl_c_during_the_copies_waits_for_the_commit():
     """A real SIGINT during the copies is held until the call has committed, then raised."""
