@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from expertcache.kernels.apply_passes import moe_apply_passes
 from expertcache.kernels.quant_passes import moe_apply_quant_passes
+from expertcache.passes import OVERLAP_MAX_IDS
 from expertcache.provider import ExpertWeightProvider
 from expertcache.result import ExpertWeightResult
 from expertcache.validation import check_overlap
@@ -41,12 +42,6 @@ from expertcache.validation import check_overlap
 if TYPE_CHECKING:
     from expertcache.cached_provider import CachedWeightProvider
 
-#: Calls of at most this many ids (``T * K``) take overlapped passes when the stack overlaps;
-#: larger ones (a prefill) take passes one after the other. Measured on an H200
-#: (benchmarks/README.md, runs 38-39): overlapped passes made decode batches of 8-128 tokens
-#: (64-1024 ids) 1.5-2% faster and prefills of 1024 and 4096 tokens 7-8% slower (twice the
-#: passes, each sorting every (token, choice) pair of the call).
-OVERLAP_MAX_IDS = 1024
 
 #: An expert apply over the passes of one call: ``(hidden [T, H], results, topk_weights
 #: [T, K]) -> [T, H]`` in ``hidden``'s dtype (`expertcache.kernels.moe_apply_passes`).

@@ -46,6 +46,14 @@ from typing import TypeVar
 
 Key = TypeVar("Key")
 
+#: Calls of at most this many ids (``T * K``) take overlapped passes in
+#: `expertcache.decode_stack.DecodeStack` (and in the simulator's ``overlap_max_ids``
+#: replays of it); larger ones (a prefill) take passes one after the other. Measured on an
+#: H200 (benchmarks/README.md, runs 38-39): overlapped passes made decode batches of 8-128
+#: tokens (64-1024 ids) 1.5-2% faster and prefills of 1024 and 4096 tokens 7-8% slower
+#: (twice the passes, each sorting every (token, choice) pair of the call).
+OVERLAP_MAX_IDS = 1024
+
 
 def group_passes(
     keys: Sequence[Key], resident: Sequence[bool], num_slots: int, *, overlap: bool = False

@@ -124,6 +124,7 @@ def plan(
     progress: Callable[[int], Callable[[], None]] | None = None,
     copy_bytes: int | None = None,
     oversize: Literal["passes", "overlapped"] = "passes",
+    overlap_max_ids: int | None = None,
 ) -> Plan:
     """Score ``policies`` (plus Belady and unbounded) at several sizes on ``trace``.
 
@@ -142,18 +143,24 @@ def plan(
             ``expert_bytes``: a compressed store's record (``Manifest.compressed_expert_bytes``).
         oversize: how a call of more experts than a pool's share is replayed: ``"passes"``
             (one after the other, as ``passes(ids)`` serves it) or ``"overlapped"`` (as
-            ``passes(ids, overlap=True)`` does, in a decode stack: every call that does not
-            fit, where `DecodeStack` overlaps only calls of at most 1,024 ids); see
-            `expertcache.sim.replay`.
+            ``passes(ids, overlap=True)`` does, in a decode stack); see `expertcache.sim.replay`.
+        overlap_max_ids: with ``"overlapped"``, calls of more ids than this are replayed as
+            passes one after the other (`DecodeStack`: `expertcache.passes.OVERLAP_MAX_IDS`);
+            None: every call.
 
     Raises:
         TypeError / ValueError: any argument of the wrong type or out of range (an empty
             trace, an unknown or repeated policy, a fraction outside (0, 1], fewer model
             layers than the trace records, a bandwidth that is not a positive number, an
-            unknown ``oversize``).
+            unknown ``oversize``, an ``overlap_max_ids`` without ``"overlapped"`` or not a
+            positive int).
     """
     if oversize not in ("passes", "overlapped"):
         raise ValueError(f"oversize must be 'passes' or 'overlapped', got {oversize!r}")
+    if overlap_max_ids is not None:
+        _check_int("overlap_max_ids", overlap_max_ids, minimum=1)
+        if oversize != "overlapped":
+            raise ValueError(f"overlap_max_ids applies to oversize='overlapped' only, got oversize={oversize!r}")
     policies = check_policies(policies)
     _check_arguments(trace, expert_bytes, gpu_budget_bytes, bandwidth_bytes_per_second, model_layers)
     if copy_bytes is not None:
@@ -175,7 +182,9 @@ def plan(
         streams = trace_calls(trace, scope=scope)
         scale = 1 if scope == "layer" else trace.num_layers
         for size in sizes:
-            rows += [_score(streams, scope, size * scale, name, cost, tick, oversize) for name in names]
+            rows += [
+                _score(streams, scope, size * scale, name, cost, tick, oversize, overlap_max_ids) for name in names
+            ]
             rows.append(cost.row(scope, size * scale, streams, "unbounded", unbounded(streams)))
     return Plan(
         rows=tuple(rows),
@@ -260,8 +269,9 @@ def _score(
     cost: _Cost,
     tick: Callable[[], None],
     oversize: Literal["passes", "overlapped"],
+    overlap_max_ids: int | None,
 ) -> PlanRow:
-    result = replay_streams(streams, policy=policy, capacity=slots, oversize=oversize)
+    result = replay_streams(streams, policy=policy, capacity=slots, oversize=oversize, overlap_max_ids=overlap_max_ids)
     tick()
     return cost.row(scope, slots, streams, policy, result)
 

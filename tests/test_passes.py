@@ -445,6 +445,34 @@ def test_decode_stack_overlaps_decode_sized_calls_only(monkeypatch):
     assert asked == [{"overlap": True}, {}]
 
 
+def test_the_simulator_replays_a_decode_stack_with_prefill_sized_calls(monkeypatch):
+    """`DecodeStack` overlaps calls of at most ``OVERLAP_MAX_IDS`` ids only; ``replay(...,
+    oversize="overlapped", overlap_max_ids=...)`` makes its decisions, where replaying every
+    call as overlapped (or none) does not."""
+    from expertcache import decode_stack
+    from expertcache.decode_stack import DecodeStack
+    from expertcache.sim import replay
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the apply's kernels run there
+    monkeypatch.setattr(decode_stack, "OVERLAP_MAX_IDS", 8)
+    weights = random_weights(8, HIDDEN, INTER)
+    provider = CachedWeightProvider(weights, cache_size=4, mode="host", device=device)
+    stack = DecodeStack([provider], HIDDEN, 8, dtype=torch.float32, device=device)
+    gen = torch.Generator().manual_seed(4)
+    calls = []
+    for step in range(24):
+        tokens = 2 + step % 5  # 4 to 12 ids: the larger ones are served without overlap
+        routing = random_topk(tokens, 2, 8, generator=gen)[None]
+        stack.step(torch.randn(tokens, HIDDEN, generator=gen).to(device), routing.to(device))
+        calls.append(routing.reshape(-1).tolist())
+    counts = (provider.stats.hits, provider.stats.misses, provider.stats.evictions)
+    common = dict(policy="lru", capacity=4, oversize="overlapped")
+    threshold = replay(calls, **common, overlap_max_ids=8)
+    assert counts == (threshold.hits, threshold.misses, threshold.evictions)
+    others = [replay(calls, **common), replay(calls, policy="lru", capacity=4)]
+    assert all((r.hits, r.misses, r.evictions) != counts for r in others)  # the threshold decided something
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_overlap_must_be_a_bool_and_a_bad_one_changes_nothing(device, mode):

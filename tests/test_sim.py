@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from expertcache import CacheCapacityError
-from expertcache.sim import ReplayResult, replay, replay_trace, trace_calls, unbounded
+from expertcache.sim import ReplayResult, replay, replay_streams, replay_trace, trace_calls, unbounded
 from expertcache.trace import RoutingTrace
 
 
@@ -43,11 +45,41 @@ def test_oversize_calls_run_in_passes_or_are_refused():
         ({"capacity": 2, "oversize": "drop"}, ValueError),
         ({"capacity": 2, "policy": "nope"}, ValueError),
         ({"capacity": 2, "policy": 3}, TypeError),
+        ({"capacity": 2, "overlap_max_ids": 4}, ValueError),  # oversize="passes": it would be ignored
+        ({"capacity": 2, "oversize": "overlapped", "overlap_max_ids": 0}, ValueError),
+        ({"capacity": 2, "oversize": "overlapped", "overlap_max_ids": True}, ValueError),
+        ({"capacity": 2, "oversize": "overlapped", "num_ids": [1]}, ValueError),  # without overlap_max_ids
+        ({"capacity": 2, "oversize": "overlapped", "overlap_max_ids": 4, "num_ids": [1, 2]}, ValueError),
+        ({"capacity": 2, "oversize": "overlapped", "overlap_max_ids": 4, "num_ids": [-1]}, ValueError),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, error):
     with pytest.raises(error):
         replay([[0]], **{"policy": "lru", **kwargs})
+
+
+def test_overlap_max_ids_overlaps_only_the_small_calls():
+    """A call of at most ``overlap_max_ids`` ids (its length, or ``num_ids``) takes
+    overlapped groups (half the share), a larger one plain groups; and the two differ here."""
+    calls = [[0, 1, 2, 3, 4, 5], [6, 7, 0, 1, 2, 3, 4, 5]]  # 6 keys, then 8: neither fits 4 slots
+    common = dict(policy="belady", capacity=4, oversize="overlapped")
+    overlapped, plain = replay(calls, **common), replay(calls, policy="belady", capacity=4)
+    assert replay(calls, **common, overlap_max_ids=8) == overlapped  # every call is small enough
+    assert replay(calls, **common, overlap_max_ids=5) == plain
+    assert overlapped.calls == 3 + 4 and plain.calls == 2 + 2  # groups of 2 against groups of 4
+    mixed = replay(calls, **common, overlap_max_ids=6)  # the first call overlapped, the second not
+    assert mixed.calls == 3 + 2
+    assert replay(calls, **common, overlap_max_ids=6, num_ids=[6, 8]) == mixed
+    assert replay(calls, **common, overlap_max_ids=6, num_ids=[7, 2]).calls == 2 + 4  # counts as given
+
+
+def test_trace_streams_count_the_ids_the_runtime_gets():
+    (layer0, layer1), (both,) = trace_calls(_trace(), scope="layer"), trace_calls(_trace(), scope="global")
+    assert layer0.num_ids == [4, 2, 2] and layer1.num_ids == [4, 2]  # layer 1 makes no call for token 2
+    assert both.num_ids == [4, 4, 2, 2, 2]
+    with pytest.raises(ValueError, match="num_ids"):
+        replay_streams([dataclasses.replace(layer0, num_ids=[])], policy="lru", capacity=2, oversize="overlapped",
+                       overlap_max_ids=4)  # fmt: skip
 
 
 def _trace() -> RoutingTrace:

@@ -5,7 +5,8 @@ makes calls larger than the cache) runs through host-mode `CachedWeightProvider`
 (per layer, and one pool shared by several layers) and through `expertcache.sim`; hits,
 misses and evictions must be equal. Calls larger than the slots run in expert-group passes
 in both (`expertcache.passes`), and so do overlapped passes (``passes(ids, overlap=True)``
-against ``oversize="overlapped"``). Tiny expert tensors keep it fast: only the decisions are
+against ``oversize="overlapped"``, for every call and, as `DecodeStack` asks, for the calls
+of at most ``overlap_max_ids`` ids). Tiny expert tensors keep it fast: only the decisions are
 compared. Device mode makes host mode's LRU decisions (`tests/test_device_mode.py`), and
 on a GPU it is run here as well.
 """
@@ -60,7 +61,15 @@ def _runtime_ids(ids: np.ndarray, device: str) -> torch.Tensor | None:
 
 
 def _run(
-    trace: RoutingTrace, *, slots: int, policy: str, scope: str, mode: str, device: str, overlap: bool = False
+    trace: RoutingTrace,
+    *,
+    slots: int,
+    policy: str,
+    scope: str,
+    mode: str,
+    device: str,
+    overlap: bool = False,
+    overlap_max_ids: int | None = None,
 ) -> tuple:
     columns = range(trace.num_layers)
     weights = {"w1": torch.zeros(trace.num_experts, 2, 1), "w2": torch.zeros(trace.num_experts, 1, 1)}
@@ -75,7 +84,8 @@ def _run(
         for provider, ids in zip(providers, forward, strict=True):
             call = _runtime_ids(ids, device)
             if call is not None:
-                for _ in provider.passes(call, overlap=overlap):  # nothing reads the slots here
+                overlapped = overlap and (overlap_max_ids is None or call.numel() <= overlap_max_ids)
+                for _ in provider.passes(call, overlap=overlapped):  # nothing reads the slots here
                     pass
     if scope == "layer":
         stats = [provider.stats for provider in providers]
@@ -113,6 +123,12 @@ def test_simulated_copies_equal_the_runtime_on_real_traces(name, batch):
             counts = (overlapped.hits, overlapped.misses, overlapped.evictions)
             host = _run(trace, slots=slots, policy=policy, scope=scope, mode="host", device="cpu", overlap=True)
             assert host == counts, (scope, slots, policy, "overlapped")
+            middle = int(np.median([n for stream in streams for n in stream.num_ids]))  # as DecodeStack's limit
+            limited = dict(policy=policy, capacity=slots, oversize="overlapped", overlap_max_ids=middle)
+            mixed = replay_streams(streams, **limited)
+            host = _run(trace, slots=slots, policy=policy, scope=scope, mode="host", device="cpu", overlap=True,
+                        overlap_max_ids=middle)  # fmt: skip
+            assert host == (mixed.hits, mixed.misses, mixed.evictions), (scope, slots, policy, "overlap_max_ids")
             if torch.cuda.is_available() and policy == "lru":
                 on_gpu = _run(
                     trace, slots=slots, policy=policy, scope=scope, mode="device", device="cuda", overlap=True

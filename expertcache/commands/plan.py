@@ -16,10 +16,10 @@ exponent-coded cache (measured on the model's own experts: the figure to trust);
 
 A call that routes to more experts than a pool's share (a prefill, a batch of requests) is
 replayed in expert-group passes, as ``provider.passes(ids)`` serves it (the transformers
-integration); ``--overlapped-passes`` replays every such call as ``passes(ids,
-overlap=True)`` does (groups of half the share), as `expertcache.decode_stack.DecodeStack`
-serves its decode calls; it serves calls of more than ``OVERLAP_MAX_IDS`` (1,024) ids, a
-long prefill, one pass after the other, which this flag does not tell apart.
+integration); ``--overlapped-passes`` replays it as `expertcache.decode_stack.DecodeStack`
+serves it: in overlapped passes (``passes(ids, overlap=True)``: groups of half the share)
+when the call has at most `expertcache.passes.OVERLAP_MAX_IDS` (1,024) ids, else (a long
+prefill) in passes one after the other.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 
 from expertcache.commands.arguments import MAX_COUNT, output_file, positive_number, whole_number
 from expertcache.config import COMPRESSION_CHOICES
+from expertcache.passes import OVERLAP_MAX_IDS
 from expertcache.planner import RUNTIME_POLICIES, Plan, PlanRow, check_policies
 
 #: The largest --gpu-budget (GB) and --bandwidth (GB/s) taken: an exabyte, an exabyte a second.
@@ -84,8 +85,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--overlapped-passes",
         action="store_true",
-        help="replay calls that do not fit as overlapped passes (passes(ids, overlap=True), as a decode "
-        "stack serves decode calls of at most 1,024 ids) instead of passes one after the other",
+        help=f"replay calls that do not fit as DecodeStack serves them: overlapped passes (passes(ids, "
+        f"overlap=True)) for calls of at most {OVERLAP_MAX_IDS:,} ids, passes one after the other above",
     )
     parser.set_defaults(func=run)
 
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         progress=None if args.no_progress else _progress_bar,
         copy_bytes=copy_bytes,
         oversize="overlapped" if args.overlapped_passes else "passes",
+        overlap_max_ids=OVERLAP_MAX_IDS if args.overlapped_passes else None,
     )
     print(_describe(trace, expert_bytes, args))
     if copy_source:
@@ -220,7 +222,12 @@ def _describe(trace, expert_bytes: int, args: argparse.Namespace) -> str:
         f"  notes: {trace.notes}" if trace.notes else "",
         f"expert bytes {expert_bytes:,}; GPU budget {args.gpu_budget:g} GB"
         + (f"; copy bandwidth {args.bandwidth:g} GB/s" if args.bandwidth else ""),
-        f"calls that do not fit: {'overlapped passes' if args.overlapped_passes else 'passes one after the other'}",
+        "calls that do not fit: "
+        + (
+            f"overlapped passes up to {OVERLAP_MAX_IDS:,} ids a call, one after the other above (as DecodeStack)"
+            if args.overlapped_passes
+            else "passes one after the other"
+        ),
     ]
     return "\n".join(line for line in lines if line)
 

@@ -8,7 +8,8 @@ capacity cannot be admitted at once; the runtime serves it in expert-group passe
 ``replay`` by default (``oversize="passes"``; such calls are counted in ``split_calls``),
 so simulated copies are the runtime's. ``oversize="overlapped"`` groups them as
 ``passes(ids, overlap=True)`` does (groups of half the share), as a decode stack serves
-them.
+them; with ``overlap_max_ids`` only calls of at most that many ids, as `DecodeStack`
+(`expertcache.passes.OVERLAP_MAX_IDS`), the larger ones as plain passes.
 
 A pool shared by several layers (``num_layers``, ``layer_of``) keeps each layer's share,
 ``capacity // num_layers``, as the runtime's does (`expertcache.layer_shares`); a call is
@@ -82,6 +83,8 @@ def replay(
     oversize: Literal["passes", "overlapped", "raise"] = "passes",
     num_layers: int = 1,
     layer_of: Callable[[Hashable], int] | None = None,
+    overlap_max_ids: int | None = None,
+    num_ids: Sequence[int] | None = None,
 ) -> ReplayResult:
     """Admit ``calls`` in order into a cache of ``capacity`` keys and count what happened.
 
@@ -98,6 +101,11 @@ def replay(
             `CacheCapacityError`.
         num_layers: layers sharing the cache (at most ``capacity``); each call is one layer's.
         layer_of: the layer of a key, in ``[0, num_layers)`` (needed for several layers).
+        overlap_max_ids: with ``oversize="overlapped"``, replay a call of more ids than this
+            as passes one after the other (`DecodeStack` overlaps calls of at most
+            `expertcache.passes.OVERLAP_MAX_IDS` ids); None: every call overlapped.
+        num_ids: ids of each call (``T * K``, as the runtime gets them), for
+            ``overlap_max_ids``; default: each call's length, repeats included.
 
     Returns:
         `ReplayResult` with hits, misses, evictions.
@@ -107,8 +115,9 @@ def replay(
             ``forward_starts`` entry that is not a non-negative int, a policy instance built for
             another capacity, ``num_layers`` not a positive int (or above ``capacity``, or
             without ``layer_of``), a call holding keys of several layers or a ``layer_of``
-            outside ``[0, num_layers)`` (naming the call); TypeError: a call that is not a
-            sequence of hashable keys.
+            outside ``[0, num_layers)`` (naming the call), ``overlap_max_ids`` not a positive
+            int or given without ``oversize="overlapped"``, ``num_ids`` without it or not
+            one count per call; TypeError: a call that is not a sequence of hashable keys.
         CacheCapacityError: an oversize call with ``oversize="raise"``.
     """
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
@@ -117,7 +126,8 @@ def replay(
         raise ValueError(f"the policy instance was built for capacity {policy.capacity}, the replay has {capacity}")
     check_layers(num_layers, layer_of)
     share = layer_share(capacity, num_layers)
-    admitted, starts, split = _normalize(calls, share, forward_starts, oversize, num_layers)
+    admitted, starts, split, sizes = _normalize(calls, share, forward_starts, oversize, num_layers)
+    overlapped = _overlapped_calls(oversize, overlap_max_ids, num_ids, sizes)
     if not isinstance(policy, EvictionPolicy):
         # no eviction beyond this, and no call is larger than its share, so the passes are the same
         largest = max((len(keys) for keys in admitted), default=1)
@@ -131,7 +141,7 @@ def replay(
         if starts_forward:
             table.begin_forward()
         try:
-            admissions = table.admit_passes(keys, overlap=oversize == "overlapped")
+            admissions = table.admit_passes(keys, overlap=overlapped[index])
         except ValueError as error:  # keys of several layers, or a layer_of out of range
             raise ValueError(f"call {index}: {error}") from None
         for admission in admissions:
@@ -148,8 +158,9 @@ def _normalize(
     forward_starts: Collection[int] | None,
     oversize: str,
     num_layers: int,
-) -> tuple[list[tuple[Hashable, ...]], list[bool], int]:
-    """Distinct keys of each call and whether each starts a forward pass."""
+) -> tuple[list[tuple[Hashable, ...]], list[bool], int, list[int]]:
+    """Distinct keys of each call, whether each starts a forward pass, the oversize calls
+    and each call's length (repeats included)."""
     if oversize not in OVERSIZE:
         raise ValueError(f"oversize must be one of {OVERSIZE}, got {oversize!r}")
     calls = list(calls)
@@ -157,8 +168,10 @@ def _normalize(
     admitted: list[tuple[Hashable, ...]] = []
     starts: list[bool] = []
     split = 0
+    sizes: list[int] = []
     for index, call in enumerate(calls):
-        unique = _distinct_keys(call, index)
+        unique, size = _distinct_keys(call, index)
+        sizes.append(size)
         starts_forward = starts_set is None or index in starts_set
         if len(unique) > capacity:
             if oversize == "raise":
@@ -166,16 +179,39 @@ def _normalize(
             split += 1
         admitted.append(unique)
         starts.append(starts_forward)
-    return admitted, starts, split
+    return admitted, starts, split, sizes
 
 
-def _distinct_keys(call: object, index: int) -> tuple[Hashable, ...]:
+def _distinct_keys(call: object, index: int) -> tuple[tuple[Hashable, ...], int]:
+    """The call's distinct keys in first-appearance order, and its length."""
     if isinstance(call, (str, bytes)) or not isinstance(call, Iterable):
         raise TypeError(f"call {index} must be a sequence of keys, got {type(call).__name__}")
+    keys = list(call)
     try:
-        return tuple(dict.fromkeys(call))
+        return tuple(dict.fromkeys(keys)), len(keys)
     except TypeError:
         raise TypeError(f"call {index} holds a key that is not hashable") from None
+
+
+def _overlapped_calls(
+    oversize: str, overlap_max_ids: int | None, num_ids: Sequence[int] | None, sizes: list[int]
+) -> list[bool]:
+    """Whether each call is grouped as overlapped passes (`replay`'s ``overlap_max_ids``)."""
+    if overlap_max_ids is not None:
+        if oversize != "overlapped":
+            raise ValueError(f"overlap_max_ids applies to oversize='overlapped' only, got oversize={oversize!r}")
+        if not isinstance(overlap_max_ids, Integral) or isinstance(overlap_max_ids, bool) or overlap_max_ids < 1:
+            raise ValueError(f"overlap_max_ids must be a positive int, got {overlap_max_ids!r}")
+    if num_ids is not None:
+        if overlap_max_ids is None:
+            raise ValueError("num_ids is read only with overlap_max_ids")
+        num_ids = list(num_ids)
+        if len(num_ids) != len(sizes) or not all(isinstance(n, Integral) and n >= 0 for n in num_ids):
+            raise ValueError(f"num_ids must hold one non-negative int per call ({len(sizes)}), got {len(num_ids)}")
+        sizes = num_ids
+    if oversize != "overlapped":
+        return [False] * len(sizes)
+    return [overlap_max_ids is None or size <= overlap_max_ids for size in sizes]
 
 
 def _call_indices(forward_starts: Collection[int]) -> set[int]:

@@ -11,7 +11,7 @@ makes no call.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -33,12 +33,15 @@ class TraceCalls:
         num_keys: size of the key universe (``E`` per layer, ``L * E`` global).
         num_layers: layers sharing the pool (1 per layer, ``L`` global); key ``k`` is layer
             ``k // E``'s.
+        num_ids: ids of each call as the runtime gets them (``T * K``, entries without a
+            record included); empty when not known.
     """
 
     calls: list[tuple[int, ...]]
     forward_starts: list[int]
     num_keys: int
     num_layers: int = 1
+    num_ids: list[int] = field(default_factory=list)
 
     @property
     def layer_of(self) -> Callable[[Hashable], int]:
@@ -83,6 +86,7 @@ def trace_calls(trace: RoutingTrace, *, scope: Scope) -> list[TraceCalls]:
 def _stream(trace: RoutingTrace, columns: Sequence[int]) -> TraceCalls:
     calls: list[tuple[int, ...]] = []
     forward_starts: list[int] = []
+    num_ids: list[int] = []
     per_column = [trace.calls(column) for column in columns]
     for forward in zip(*per_column, strict=True):  # each column's call in one forward pass
         first = True
@@ -95,7 +99,8 @@ def _stream(trace: RoutingTrace, columns: Sequence[int]) -> TraceCalls:
                 forward_starts.append(len(calls))
                 first = False
             calls.append(tuple(dict.fromkeys((keys + position * trace.num_experts).tolist())))
-    return TraceCalls(calls, forward_starts, len(columns) * trace.num_experts, len(columns))
+            num_ids.append(int(ids.size))
+    return TraceCalls(calls, forward_starts, len(columns) * trace.num_experts, len(columns), num_ids)
 
 
 def replay_streams(
@@ -104,14 +109,18 @@ def replay_streams(
     policy: str | EvictionPolicy,
     capacity: int,
     oversize: Literal["passes", "overlapped", "raise"] = "passes",
+    overlap_max_ids: int | None = None,
 ) -> ReplayResult:
     """Replay each stream with its own pool of ``capacity`` keys and add the counts.
 
     ``policy`` must be a name when there are several streams (each needs a fresh policy);
-    ``oversize`` as in `replay`.
+    ``oversize`` and ``overlap_max_ids`` as in `replay` (the streams' ``num_ids`` count a
+    call's ids).
     """
     if isinstance(policy, EvictionPolicy) and len(streams) > 1:
         raise ValueError("give a policy name: every stream needs a fresh policy")
+    if overlap_max_ids is not None and any(len(stream.num_ids) != len(stream.calls) for stream in streams):
+        raise ValueError("overlap_max_ids needs the ids of every call: a stream without num_ids (see TraceCalls)")
     total = ReplayResult(0, 0, 0, 0)
     for stream in streams:
         total = total + replay(
@@ -122,6 +131,8 @@ def replay_streams(
             num_layers=stream.num_layers,
             layer_of=stream.layer_of,
             oversize=oversize,
+            overlap_max_ids=overlap_max_ids,
+            num_ids=None if overlap_max_ids is None else stream.num_ids,
         )
     return total
 
