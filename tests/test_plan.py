@@ -136,6 +136,13 @@ def test_overlapped_passes_replay_as_a_decode_stack_serves_them(tmp_path, capsys
     assert plain.rows != overlapped.rows  # other groups, other decisions (here Belady's)
     with pytest.raises(ValueError, match="oversize"):
         plan(trace, expert_bytes=1000, gpu_budget_bytes=6000, oversize="raise")
+    with pytest.raises(ValueError, match="overlap_max_ids"):
+        plan(trace, expert_bytes=1000, gpu_budget_bytes=6000, overlap_max_ids=8)  # oversize="passes" ignores it
+    with pytest.raises(ValueError, match="overlap_max_ids"):
+        plan(trace, expert_bytes=1000, gpu_budget_bytes=6000, oversize="overlapped", overlap_max_ids=0)
+    limited = plan(trace, expert_bytes=1000, gpu_budget_bytes=6000, policies=["lru"], oversize="overlapped",
+                   overlap_max_ids=1)  # fmt: skip
+    assert limited.rows == plain.rows  # no call has at most one id: every one replayed one pass after the other
     path = tmp_path / "trace.npz"
     trace.save(path)
     common = ["plan", "--trace", str(path), "--expert-bytes", "1000", "--gpu-budget", "0.000006", "--no-progress"]
