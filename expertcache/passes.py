@@ -29,9 +29,9 @@ touch a slot pass g reads::
     current       ...    | apply 0       | apply 1       | apply 2 ...
                            (copy g + 1 waits for apply g - 1 only)
 
-(A device-mode call that fits in one pass is instead served as its hits, then its misses:
-that split copies exactly what the one pass copies.) Every mode and the simulator group
-an overlapped call the same way, so the decisions stay equal.
+(In device mode the first pass, the whole call when it fits, comes as its hits, then its
+misses: that split copies exactly what the one pass copies.) Every mode and the simulator
+group an overlapped call the same way, so the decisions stay equal.
 
 Host mode (any policy), device mode (`expertcache.kernels.passes`, on the GPU), the
 transformers integration and the EP layer run through `ExpertWeightProvider.passes`, and
