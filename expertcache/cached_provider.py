@@ -201,9 +201,9 @@ class CachedWeightProvider(ExpertWeightProvider):
             overlap: the caller sums passes exactly (`expertcache.kernels.moe_apply_passes`
                 does): a call that does not fit then runs in overlapped passes (groups of
                 half the slots; in device mode each pass's copies run on a side stream
-                while the pass before computes), and device mode may serve a decode call
-                that fits as its hits (computed while the misses are copied on a side
-                stream) and then its misses (`SlotPool.passes`).
+                while the pass before computes), and device mode serves the first pass (the
+                whole call, when it fits) as its hits (computed while the misses are copied
+                on a side stream) and then its misses (`SlotPool.passes`).
 
         Returns:
             An iterator of `ExpertWeightResult` (slot tensors as from ``prepare``), one per
@@ -213,8 +213,8 @@ class CachedWeightProvider(ExpertWeightProvider):
             before anything is copied; every expert is loaded at most once per call. Run
             the kernel on each result before taking the next: the next pass may overwrite
             its slots. Device mode yields `expertcache.passes.max_passes` results whatever
-            the routing (no sync: a CUDA graph captures them), the unneeded ones all -1; a
-            split call yields two (hits, then misses).
+            the routing (no sync: a CUDA graph captures them), the unneeded ones all -1, and
+            one more when the first pass is split (hits, then misses).
 
         Raises:
             As ``prepare`` (never `CacheCapacityError`); bad ids raise before anything runs.

@@ -261,9 +261,9 @@ class SlotPool:
             -1 for the ids of other passes (and for other ranks' experts). Host mode takes
             ``ceil(distinct experts / G)`` passes (``G`` keys a group); device mode always
             `expertcache.passes.max_passes` (no sync; the unneeded ones are empty), one more
-            when the first pass is split (hits, then misses). Each pass is atomic: an error leaves the
-            pool as it was before that pass. A pass's slots hold its experts until the
-            next pass (or ``prepare``) on this pool.
+            when the first pass is split (hits, then misses). Each pass is atomic: an error
+            leaves the pool as it was before that pass. A pass's slots hold its experts
+            until the next pass (or ``prepare``) on this pool.
         """
         if self.layers.get(layer.name) is not layer:
             raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
