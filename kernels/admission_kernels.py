@@ -84,6 +84,22 @@ def _place_misses(
 
 
 @triton.jit
+def _block_of_call(
+    start, ids_ptr, pass_ptr, pass_index, global_to_local_ptr, expert_to_slot_ptr, num_ids, num_global, key_offset,
+    BLOCK_IDS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_PASSES: tl.constexpr,
+):  # fmt: skip
+    """Positions ``start ..`` of the call (or of its pass ``pass_index``): ``(positions,
+    in_bounds, local expert, key, is_local, invalid, slot)`` as `lookup_slots` gives them."""
+    positions = start + tl.arange(0, BLOCK_IDS)
+    in_bounds = positions < num_ids
+    in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
+    local, key, is_local, invalid, slot = lookup_slots(
+        ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
+    )
+    return positions, in_bounds, local, key, is_local, invalid, slot
+
+
+@triton.jit
 def _list_miss(plan_ptr, miss_stamp_ptr, miss_ordinal, local, key, stamp, is_miss):
     tl.store(plan_ptr + 1 + 4 * miss_ordinal, local, mask=is_miss)
     tl.store(plan_ptr + 3 + 4 * miss_ordinal, key, mask=is_miss)
@@ -101,12 +117,10 @@ def _admit_small_kernel(
     if PDL:  # the copy kernel may launch now; it waits for this kernel on the GPU
         gdc_launch_dependents()
     base = tl.load(clock_ptr)
-    positions = tl.arange(0, BLOCK_IDS)
-    in_bounds = positions < num_ids
-    in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
-    local, key, is_local, invalid, slot = lookup_slots(
-        ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
-    )
+    positions, in_bounds, local, key, is_local, invalid, slot = _block_of_call(
+        0, ids_ptr, pass_ptr, pass_index, global_to_local_ptr, expert_to_slot_ptr, num_ids, num_global, key_offset,
+        BLOCK_IDS, HAS_MAP, HAS_PASSES,
+    )  # fmt: skip
     same = (key[:, None] == key[None, :]) & is_local[:, None] & is_local[None, :]
     earlier = same & (positions[None, :] < positions[:, None])
     is_first = is_local & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
@@ -165,23 +179,19 @@ def _admit_kernel(
     # 1: first position of every key in the call, and how many keys and bad ids there are
     num_invalid = 0
     for start in range(0, num_ids, BLOCK_IDS):
-        positions = start + tl.arange(0, BLOCK_IDS)
-        in_bounds = positions < num_ids
-        in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
-        _, key, is_local, invalid, _ = lookup_slots(
-            ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
-        )
+        positions, in_bounds, _, key, is_local, invalid, _ = _block_of_call(
+            start, ids_ptr, pass_ptr, pass_index, global_to_local_ptr, expert_to_slot_ptr, num_ids, num_global,
+            key_offset, BLOCK_IDS, HAS_MAP, HAS_PASSES,
+        )  # fmt: skip
         tl.atomic_min(first_seen_ptr + key, positions, mask=is_local)
         num_invalid += tl.sum(invalid.to(tl.int32), axis=0)
     tl.debug_barrier()
     num_unique = 0
     for start in range(0, num_ids, BLOCK_IDS):
-        positions = start + tl.arange(0, BLOCK_IDS)
-        in_bounds = positions < num_ids
-        in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
-        _, key, is_local, _, _ = lookup_slots(
-            ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
-        )
+        positions, in_bounds, _, key, is_local, _, _ = _block_of_call(
+            start, ids_ptr, pass_ptr, pass_index, global_to_local_ptr, expert_to_slot_ptr, num_ids, num_global,
+            key_offset, BLOCK_IDS, HAS_MAP, HAS_PASSES,
+        )  # fmt: skip
         first = tl.load(first_seen_ptr + key, mask=is_local, other=-1)
         num_unique += tl.sum((is_local & (first == positions)).to(tl.int32), axis=0)
     fits = num_unique <= num_slots
@@ -191,12 +201,9 @@ def _admit_kernel(
     if fits:
         ordinal_base = 0
         for start in range(0, num_ids, BLOCK_IDS):
-            positions = start + tl.arange(0, BLOCK_IDS)
-            in_bounds = positions < num_ids
-            in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
-            local, key, is_local, _, slot = lookup_slots(
-                ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset,
-                HAS_MAP,
+            positions, in_bounds, local, key, is_local, _, slot = _block_of_call(
+                start, ids_ptr, pass_ptr, pass_index, global_to_local_ptr, expert_to_slot_ptr, num_ids, num_global,
+                key_offset, BLOCK_IDS, HAS_MAP, HAS_PASSES,
             )  # fmt: skip
             first = tl.load(first_seen_ptr + key, mask=is_local, other=-1)
             is_first = is_local & (first == positions)
@@ -223,12 +230,10 @@ def _admit_kernel(
 
     # 4: slot ids out (-1 everywhere when the call does not fit); scratch back to empty
     for start in range(0, num_ids, BLOCK_IDS):
-        positions = start + tl.arange(0, BLOCK_IDS)
-        in_bounds = positions < num_ids
-        in_call = in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES)
-        _, key, is_local, _, slot = lookup_slots(
-            ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
-        )
+        positions, in_bounds, _, key, is_local, _, slot = _block_of_call(
+            start, ids_ptr, pass_ptr, pass_index, global_to_local_ptr, expert_to_slot_ptr, num_ids, num_global,
+            key_offset, BLOCK_IDS, HAS_MAP, HAS_PASSES,
+        )  # fmt: skip
         slot = tl.where(fits, slot, -1)
         if SPLIT:  # hits to out, misses to miss_out; the marks are cleared below, once all are read
             was_missed = tl.load(first_seen_ptr + key, mask=is_local, other=_EMPTY) == _MISSED
@@ -241,11 +246,10 @@ def _admit_kernel(
     if SPLIT:
         tl.debug_barrier()
         for start in range(0, num_ids, BLOCK_IDS):
-            positions = start + tl.arange(0, BLOCK_IDS)
-            in_call = in_pass(pass_ptr, positions, positions < num_ids, pass_index, HAS_PASSES)
-            _, key, is_local, _, _ = lookup_slots(
-                ids_ptr, positions, in_call, global_to_local_ptr, expert_to_slot_ptr, num_global, key_offset, HAS_MAP
-            )
+            _, _, _, key, is_local, _, _ = _block_of_call(
+                start, ids_ptr, pass_ptr, pass_index, global_to_local_ptr, expert_to_slot_ptr, num_ids, num_global,
+                key_offset, BLOCK_IDS, HAS_MAP, HAS_PASSES,
+            )  # fmt: skip
             tl.store(first_seen_ptr + key, _EMPTY, mask=is_local)
 
     if fits:
