@@ -12,8 +12,9 @@ and each ``passes`` into one such result per expert-group pass (`expertcache.pas
 
 from __future__ import annotations
 
+import contextlib
 import numbers
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Generator, Hashable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -219,8 +220,13 @@ class CachedWeightProvider(ExpertWeightProvider):
         Raises:
             As ``prepare`` (never `CacheCapacityError`); bad ids raise before anything runs.
         """
-        results = self.pool.passes(self.layer, topk_ids, overlap=overlap)
-        return (result_from_tensors(self.pool.tensors, slot_ids) for slot_ids in results)
+        return _results(self.pool.tensors, self.pool.passes(self.layer, topk_ids, overlap=overlap))
+
+
+def _results(tensors: Mapping[str, torch.Tensor], slot_ids: Generator[torch.Tensor]) -> Iterator[ExpertWeightResult]:
+    with contextlib.closing(slot_ids):  # a caller's close() reaches the pool's passes at once
+        for ids in slot_ids:
+            yield result_from_tensors(tensors, ids)
 
 
 def _check_shared_pool(pool: object, **settings: object) -> None:

@@ -52,7 +52,7 @@ import contextlib
 import dataclasses
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -116,7 +116,7 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
     return _run(pool, layer, topk_ids.contiguous(), pool.no_passes, 0)
 
 
-def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False) -> Iterator[torch.Tensor]:
+def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False) -> Generator[torch.Tensor]:
     """Device-mode ``SlotPool.passes``: slot ids of each pass (see the module docstring)."""
     overlap = overlap and not torch.compiler.is_compiling()  # a traced op runs on no side stream
     count = max_passes(topk_ids.numel(), layer.num_experts, pool.share, overlap=overlap)
@@ -174,11 +174,12 @@ def _overlapped_passes(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, coun
         yield first.slot_ids
         pool.passes_owed = count > 1
         _wait(main, first.copied)
+        assert first.miss_slot_ids is not None  # a split pass
         yield first.miss_slot_ids
         for index in range(1, count):
-            current, following = following, None
-            if index + 1 < count:
-                following = _enqueue_pass(pool, layer, ids, pass_of, index + 1)
+            current = following
+            assert current is not None  # enqueued one pass ahead
+            following = _enqueue_pass(pool, layer, ids, pass_of, index + 1) if index + 1 < count else None
             pool.passes_owed = following is not None
             _wait(main, current.copied)
             yield current.slot_ids
@@ -188,7 +189,7 @@ def _overlapped_passes(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, coun
 
 
 def _wait(main: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
-    if event is not None:
+    if main is not None and event is not None:
         main.wait_event(event)
 
 

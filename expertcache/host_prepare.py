@@ -26,7 +26,7 @@ counters (from the bytes read in step one), and makes the policy forget the call
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Generator, Hashable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -72,7 +72,7 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
         return _serve(pool, layer, topk_ids.contiguous(), keys, table, torch.from_numpy(committed))[0]
 
 
-def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False) -> Iterator[torch.Tensor]:
+def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False) -> Generator[torch.Tensor]:
     """Host-mode ``SlotPool.passes``: slot ids of each expert-group pass (`expertcache.passes`;
     ``overlap`` groups as overlapped passes, so the decisions are device mode's).
 

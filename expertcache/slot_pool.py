@@ -24,7 +24,8 @@ was (`expertcache.host_prepare`, `expertcache.device_prepare`). Free slots hold 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Iterator, Mapping
+import contextlib
+from collections.abc import Generator, Hashable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -242,7 +243,7 @@ class SlotPool:
         self._started = True  # the tables now hold state: they keep their addresses
         return slot_ids
 
-    def passes(self, layer: PoolLayer, topk_ids: torch.Tensor, *, overlap: bool = False) -> Iterator[torch.Tensor]:
+    def passes(self, layer: PoolLayer, topk_ids: torch.Tensor, *, overlap: bool = False) -> Generator[torch.Tensor]:
         """Serve a call of any size in expert-group passes (`expertcache.passes`).
 
         Args:
@@ -342,10 +343,11 @@ class SlotPool:
             self._copy_stream = torch.cuda.Stream(self.device)
         return self._copy_stream
 
-    def _started_by(self, slot_ids: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
-        for ids in slot_ids:
-            self._started = True
-            yield ids
+    def _started_by(self, slot_ids: Generator[torch.Tensor]) -> Generator[torch.Tensor]:
+        with contextlib.closing(slot_ids):  # a caller's close() reaches the passes at once, not at collection
+            for ids in slot_ids:
+                self._started = True
+                yield ids
 
     # -- read-only views (they read the device tables: call them outside CUDA graphs) -------
 
