@@ -574,12 +574,16 @@ def profile_decode(bench: Bench, variant: Variant, batch: int, args) -> None:
         return
     edges = sorted({t for e in kernels for t in (e["ts"], e["ts"] + e["dur"])})
     spans = {"copy only": 0.0, "compute only": 0.0, "both": 0.0, "idle": 0.0}
+    without_copies: dict[str, float] = {}  # what runs while no copy kernel does, shared among the kernels
     for left, right in zip(edges, edges[1:], strict=False):
         running = [e for e in kernels if e["ts"] <= left and e["ts"] + e["dur"] >= right]
         copying = any("copy" in e["name"] for e in running)
         computing = any("copy" not in e["name"] for e in running)
         spans["both" if copying and computing else "copy only" if copying else
               "compute only" if computing else "idle"] += (right - left)  # fmt: skip
+        if not copying:
+            for name in [e["name"][:48] for e in running] or ["(nothing: launch gaps, waits)"]:
+                without_copies[name] = without_copies.get(name, 0.0) + (right - left) / max(1, len(running))
     total = (edges[-1] - edges[0]) / replays
     by_name: dict[str, float] = {}
     for e in kernels:
@@ -588,6 +592,9 @@ def profile_decode(bench: Bench, variant: Variant, batch: int, args) -> None:
           + ", ".join(f"{k} {v / replays / 1e3:.3f}" for k, v in spans.items()) + " ms")  # fmt: skip
     for name, us in sorted(by_name.items(), key=lambda item: -item[1])[:12]:
         print(f"  {us:9.1f} us  {name}")
+    print(f"  while no copy runs ({sum(without_copies.values()) / replays / 1e3:.3f} ms a step):")
+    for name, us in sorted(without_copies.items(), key=lambda item: -item[1])[:10]:
+        print(f"  {us / replays:9.1f} us  {name}")
     del step, stack
 
 
