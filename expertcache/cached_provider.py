@@ -215,7 +215,8 @@ class CachedWeightProvider(ExpertWeightProvider):
             the kernel on each result before taking the next: the next pass may overwrite
             its slots. Device mode yields `expertcache.passes.max_passes` results whatever
             the routing (no sync: a CUDA graph captures them), the unneeded ones all -1, and
-            one more when the first pass is split (hits, then misses).
+            one more when the first pass is split (hits, then misses). Closing the
+            iterator early ends the call at once (`SlotPool.passes`).
 
         Raises:
             As ``prepare`` (never `CacheCapacityError`); bad ids raise before anything runs.

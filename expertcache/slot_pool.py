@@ -264,7 +264,9 @@ class SlotPool:
             `expertcache.passes.max_passes` (no sync; the unneeded ones are empty), one more
             when the first pass is split (hits, then misses). Each pass is atomic: an error
             leaves the pool as it was before that pass. A pass's slots hold its experts
-            until the next pass (or ``prepare``) on this pool.
+            until the next pass (or ``prepare``) on this pool. Closing the iterator early
+            (``close()``, or an error in the caller's loop) ends the call there and then: a
+            device-mode pool joins its copy stream before ``close()`` returns.
         """
         if self.layers.get(layer.name) is not layer:
             raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
