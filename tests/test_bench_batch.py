@@ -58,7 +58,7 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     """Also the ``--serial`` rows: the same function, passes one after the other (full
     groups where the overlapped rows take half ones)."""
     flags = ["--dry-run", "--only", "device 25%", "copies only", "serial", "--batch-sizes", "1", "8",
-             "--fractions", "0.25", "--serial", "0.25", "--coded", "--prefetch"]  # fmt: skip
+             "--fractions", "0.25", "--serial", "0.25", "--coded", "--prefetch", "--layers", "2"]  # fmt: skip
     command = [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path)
