@@ -166,17 +166,21 @@ def _overlapped_passes(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, coun
         with torch.inference_mode(False):
             pass_of = torch.empty(ids.shape, dtype=torch.int32, device=pool.device)
     main = torch.cuda.current_stream(pool.device) if pool.copy_stream() is not None else None
+    pool.calls_begun += 1
+    begun = pool.calls_begun
     try:
         first = _enqueue_pass(pool, layer, ids, pass_of, 0, split=True)
         following = _enqueue_pass(pool, layer, ids, pass_of, 1) if count > 1 else None
         pool.passes_owed = True  # the misses' slots are promised: no prefetch may take them meanwhile
         _wait(main, first.admitted)
         yield first.slot_ids
+        _check_no_call_between(pool, begun)
         pool.passes_owed = count > 1
         _wait(main, first.copied)
         assert first.miss_slot_ids is not None  # a split pass
         yield first.miss_slot_ids
         for index in range(1, count):
+            _check_no_call_between(pool, begun)
             current = following
             assert current is not None  # enqueued one pass ahead
             following = _enqueue_pass(pool, layer, ids, pass_of, index + 1) if index + 1 < count else None
@@ -186,6 +190,17 @@ def _overlapped_passes(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, coun
     finally:
         pool.passes_owed = False
         join_copies(pool)  # the caller stopped early, or the last pass: join the copy stream
+
+
+def _check_no_call_between(pool: SlotPool, begun: int) -> None:
+    """Refuse to go on with an overlapped call after another call on its pool: that call may
+    have evicted the slots of the pass admitted ahead (its results would read other experts)."""
+    if pool.calls_begun != begun:
+        raise RuntimeError(
+            "another call on this slot pool ran between the passes of an overlapped device-mode call, "
+            "and may have taken the slots of the pass it had admitted ahead; take (or close) a call's "
+            "passes before the next call on the pool"
+        )
 
 
 def _wait(main: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
@@ -237,6 +252,7 @@ def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None
     named = dict(pool.tensors)
     where = dict(num_global=layer.num_global, key_offset=layer.key_offset)
     with pool.guard, on_device(pool.device), deferred_interrupts():
+        pool.calls_begun += 1
         join_copies(pool)  # an earlier prefetch's admission lands before this one's snapshot
         with _undone_on_error(pool, pool.tables, named, copy_stream), _on_stream(copy_stream):
             out = torch.empty_like(expert_ids)  # the slot ids nobody reads
@@ -265,6 +281,7 @@ def _admit_and_copy(
     passes = pass_of if pass_of.numel() else None
     where = dict(num_global=entry.num_global, key_offset=entry.key_offset)
     with owner.guard, on_device(owner.device), deferred_interrupts():
+        owner.calls_begun += 1  # an overlapped call suspended between its passes now refuses to go on
         join_copies(owner)
         owner.passes_owed = False  # a new call ends what an earlier one's slots held
         with _undone_on_error(owner, tables, named, None):

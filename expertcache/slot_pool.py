@@ -120,7 +120,8 @@ class SlotPool:
         #: (`expertcache.parallel.pacing`), never to change what lands.
         self.copy_expert: CopyExpert = copy_pairs
         self.forward = host_prepare.ForwardTracker()
-        #: host-mode calls (and passes) begun: a multi-pass call trusts its own bookkeeping while no other began
+        #: calls (and passes) begun on this pool: a multi-pass call knows whether another ran between its
+        #: passes (host mode then reads the state again; an overlapped device call refuses to go on)
         self.calls_begun = 0
         self.backup: torch.Tensor | None = None  # device mode: the state before the call in flight
         with torch.inference_mode(False):
@@ -264,7 +265,10 @@ class SlotPool:
             `expertcache.passes.max_passes` (no sync; the unneeded ones are empty), one more
             when the first pass is split (hits, then misses). Each pass is atomic: an error
             leaves the pool as it was before that pass. A pass's slots hold its experts
-            until the next pass (or ``prepare``) on this pool. Closing the iterator early
+            until the next pass (or ``prepare``) on this pool. Another call on the pool
+            between two passes (another layer's, say) makes host mode read the state again;
+            an overlapped device-mode call, which admits a pass ahead, raises `RuntimeError`
+            instead of yielding slots that call may have taken. Closing the iterator early
             (``close()``, or an error in the caller's loop) ends the call there and then: a
             device-mode pool joins its copy stream before ``close()`` returns.
         """

@@ -286,6 +286,38 @@ def test_a_call_between_two_host_passes_makes_the_next_pass_read_again(monkeypat
         )
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("between", ["prepare", "overlapped passes"])
+def test_a_call_between_two_overlapped_device_passes_stops_the_call(device, between):
+    """Device mode admits an overlapped call's next pass ahead, so another layer's call in
+    between may take its slots (a result would then point at other experts): layer 0's call
+    raises instead, and both layers' next calls are right."""
+    gen = torch.Generator().manual_seed(9)
+    layers = [random_weights(8, HIDDEN, INTER, generator=gen) for _ in range(2)]
+    pool = SlotPool.for_weights(layers[0], 8, device=device, mode="device")  # a share of 4 slots a layer
+    providers = [CachedWeightProvider(w, pool=pool, layer=index) for index, w in enumerate(layers)]
+    full = [{name: tensor.to(device) for name, tensor in w.items()} for w in layers]
+    hidden = torch.randn(4, HIDDEN, generator=gen).to(device)
+    big = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], device=device)  # 8 experts, groups of 2
+    small = torch.tensor([[0, 1], [2, 3]], device=device)
+    passes = providers[0].passes(big, overlap=True)
+    next(passes)
+    if between == "prepare":
+        providers[1].prepare(small)
+    else:
+        for _ in providers[1].passes(small, overlap=True):
+            pass
+    with pytest.raises(RuntimeError, match="another call on this slot pool ran between the passes"):
+        next(passes)
+    assert not pool.copies_pending and not pool.passes_owed
+    for provider, weights, ids in ((providers[0], full[0], big), (providers[1], full[1], small)):
+        rows, served = hidden[: len(ids)], torch.zeros(*ids.shape, HIDDEN, device=device)
+        for result in provider.passes(ids, overlap=True):
+            mine = (result.topk_ids >= 0).unsqueeze(-1)
+            served = torch.where(mine, expert_outputs(rows, result.w1, result.w2, result.topk_ids), served)
+        assert torch.equal(served, expert_outputs(rows, weights["w1"], weights["w2"], ids))
+
+
 @pytest.mark.gpu
 def test_graphed_step_with_passes_replays_and_equals_eager():
     from expertcache.decode_stack import GraphedDecodeStep
