@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from expertcache.sim import ReplayResult, TraceCalls, replay_streams, trace_calls, unbounded
+from expertcache.sim.replay import check_overlap_limit
 from expertcache.trace import RoutingTrace
 
 #: Policies a runtime cache can use (Belady is the bound, not a choice).
@@ -157,10 +158,7 @@ def plan(
     """
     if oversize not in ("passes", "overlapped"):
         raise ValueError(f"oversize must be 'passes' or 'overlapped', got {oversize!r}")
-    if overlap_max_ids is not None:
-        _check_int("overlap_max_ids", overlap_max_ids, minimum=1)
-        if oversize != "overlapped":
-            raise ValueError(f"overlap_max_ids applies to oversize='overlapped' only, got oversize={oversize!r}")
+    check_overlap_limit(oversize, overlap_max_ids)
     policies = check_policies(policies)
     _check_arguments(trace, expert_bytes, gpu_budget_bytes, bandwidth_bytes_per_second, model_layers)
     if copy_bytes is not None:

@@ -193,15 +193,21 @@ def _distinct_keys(call: object, index: int) -> tuple[tuple[Hashable, ...], int]
         raise TypeError(f"call {index} holds a key that is not hashable") from None
 
 
+def check_overlap_limit(oversize: str, overlap_max_ids: object) -> None:
+    """``overlap_max_ids`` is None, or a positive int with ``oversize="overlapped"`` (ValueError)."""
+    if overlap_max_ids is None:
+        return
+    if oversize != "overlapped":
+        raise ValueError(f"overlap_max_ids applies to oversize='overlapped' only, got oversize={oversize!r}")
+    if not isinstance(overlap_max_ids, Integral) or isinstance(overlap_max_ids, bool) or overlap_max_ids < 1:
+        raise ValueError(f"overlap_max_ids must be a positive int, got {overlap_max_ids!r}")
+
+
 def _overlapped_calls(
     oversize: str, overlap_max_ids: int | None, num_ids: Sequence[int] | None, sizes: list[int]
 ) -> list[bool]:
     """Whether each call is grouped as overlapped passes (`replay`'s ``overlap_max_ids``)."""
-    if overlap_max_ids is not None:
-        if oversize != "overlapped":
-            raise ValueError(f"overlap_max_ids applies to oversize='overlapped' only, got oversize={oversize!r}")
-        if not isinstance(overlap_max_ids, Integral) or isinstance(overlap_max_ids, bool) or overlap_max_ids < 1:
-            raise ValueError(f"overlap_max_ids must be a positive int, got {overlap_max_ids!r}")
+    check_overlap_limit(oversize, overlap_max_ids)
     if num_ids is not None:
         if overlap_max_ids is None:
             raise ValueError("num_ids is read only with overlap_max_ids")
