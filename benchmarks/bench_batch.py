@@ -46,7 +46,9 @@ coded bytes it moved instead.
 
 ``--prefill 1024 4096``: one forward over T consecutive trace tokens instead (eager), at
 ``--prefill-fraction`` of the experts in slots, fresh (cold) caches, bound = resident forward
-+ each touched expert's bytes once / pinned bandwidth. ``--profile``: one more forward of each
++ each touched expert's bytes once / pinned bandwidth. Device mode's eager prefill copies with
+the copy engine (its default mover, the plan read back once a pass); ``device kernel mover``
+beside it keeps the copy kernel, as inside graphs. ``--profile``: one more forward of each
 cache variant under `torch.profiler`; prints where its GPU time goes and how much of the
 forward the GPU sat idle.
 
@@ -54,7 +56,8 @@ forward the GPU sat idle.
 stack asks for passes one after the other (``overlap=False``): the overlap's gain, measured
 in one process. ``--overlap off``: every device cache serves so (no hits-then-misses split,
 no overlapped passes);
-``--chain off``: no programmatic dependent launch between the decode kernels (ablations).
+``--chain off``: no programmatic dependent launch between the decode kernels; ``--copy-priority
+default``: the pools' copy streams at the default priority, not above the apply's (ablations).
 
 ``--dry-run``: the same plumbing on a CPU with tiny shapes and interpreted kernels (fp32,
 eager, no graphs), results to a temporary folder: a check, not a measurement.
@@ -91,7 +94,7 @@ from _common import append_csv, cuda_time_ms, pinned_copy_gbps, print_table, tra
 from bench_decode import QWEN3_TRACE, qwen3_routing  # noqa: E402
 from layer_streaming import StreamingLayers  # noqa: E402
 
-from expertcache import CachedWeightProvider, CacheStats, FullGPUProvider, SlotPool  # noqa: E402
+from expertcache import CachedWeightProvider, CacheStats, FullGPUProvider, SlotPool, slot_pool  # noqa: E402
 from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E402
 from expertcache.kernels import _launch, moe_apply_passes  # noqa: E402
 from expertcache.layout import layout_from_weights  # noqa: E402
@@ -195,17 +198,22 @@ class Variant:
     overlap: bool = True  # False: the stack asks for passes one after the other (``--serial``)
 
 
-def cached(bench: Bench, fraction: float, mode: str, shared: bool, coded: bool = False) -> Variant:
+def cached(
+    bench: Bench, fraction: float, mode: str, shared: bool, coded: bool = False, mover: str | None = None
+) -> Variant:
     E = bench.shape["experts"]
     stores = bench.coded_stores if coded else bench.stores
     assert stores is not None, "coded variants need the coded stores (build_bench)"
     slots = max(1, round(fraction * E))
     if shared:
-        pool = SlotPool(stores[0].layout, slots * len(stores), device=bench.device, mode=mode)
+        pool = SlotPool(stores[0].layout, slots * len(stores), device=bench.device, mode=mode, mover=mover)
         providers = [CachedWeightProvider(s, pool=pool, layer=index) for index, s in enumerate(stores)]
     else:
-        providers = [CachedWeightProvider(s, cache_size=slots, device=bench.device, mode=mode) for s in stores]
-    name = f"{mode}{' global' if shared else ''}{' coded' if coded else ''}"
+        providers = [
+            CachedWeightProvider(s, pool=SlotPool(s.layout, slots, device=bench.device, mode=mode, mover=mover))
+            for s in stores
+        ]
+    name = f"{mode}{' global' if shared else ''}{' coded' if coded else ''}{f' {mover} mover' if mover else ''}"
     graph = bench.graphs and mode == "device"
     return Variant(name, f"{fraction:.0%}", providers, graph, num_slots=providers[0].pool.share)
 
@@ -496,6 +504,7 @@ def run_prefill(bench: Bench, args, resident: list[dict]) -> list[dict]:
             **{f"stream d{d}": (lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)},
             "host": lambda: cached(bench, args.prefill_fraction, "host", False),
             "device": lambda: cached(bench, args.prefill_fraction, "device", False),
+            "device kernel mover": lambda: cached(bench, args.prefill_fraction, "device", False, mover="kernel"),
             **({"device coded": lambda: cached(bench, args.prefill_fraction, "device", False, True)}
                if bench.coded_stores else {}),
         }  # fmt: skip
@@ -698,6 +707,12 @@ def parse_args() -> argparse.Namespace:
         default="on",
         help="off: no programmatic dependent launch between the decode kernels",
     )
+    parser.add_argument(
+        "--copy-priority",
+        choices=("high", "default"),
+        default="high",
+        help="default: device pools' copy streams at the default priority, not above the apply's (an ablation)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, interpreted kernels")
     args = parser.parse_args()
     if args.only and args.prefill:
@@ -734,6 +749,8 @@ def build_bench(args) -> tuple[Bench, list[dict]]:
     bench = Bench(shape, device, stores, trace, apply, max(small_gbps, layer_gbps), graphs=device.type == "cuda",
                   fill=not args.dry_run, overlap=args.overlap == "on")  # fmt: skip
     _launch.PROGRAMMATIC_LAUNCH = args.chain == "on"
+    if args.copy_priority == "default":
+        slot_pool.COPY_STREAM_PRIORITY = 0
     shape.update(apply=apply_name, pinned_gbps_64mib=small_gbps, pinned_gbps_layer=layer_gbps)
     print(f"{shape['name']}: {shape['layers']} layers x {shape['experts']} experts, "
           f"{bench.expert_bytes / 1e6:.2f} MB per expert, {trace.shape[0]} trace tokens, apply {apply_name}; "
@@ -760,7 +777,7 @@ def main() -> None:
     start = time.perf_counter()
     bench, resident = build_bench(args)
     shape = bench.shape
-    stamp = {"overlap": args.overlap, "chain": args.chain,
+    stamp = {"overlap": args.overlap, "chain": args.chain, "copy_priority": args.copy_priority,
              "shape": shape["name"], "layers": shape["layers"], "dtype": str(shape["dtype"]).removeprefix("torch."),
              "apply": shape["apply"], "pinned_gbps": bench.copy_gbps, "pinned_gbps_64mib": shape["pinned_gbps_64mib"],
              "pinned_gbps_layer": shape["pinned_gbps_layer"]}  # fmt: skip

@@ -25,6 +25,12 @@ need are empty (launches only)::
     pass 0      assign passes, admit pass 0, copy      -> slot ids of pass 0, -1 elsewhere
     pass g > 0  admit pass g, copy                     -> slot ids of pass g, -1 elsewhere
 
+Eager calls of more ids than the share (a prefill) on a pool whose ``mover`` is
+``"engine"`` (the default) read each pass's plan back after its admission (one sync a
+pass) and copy with the copy engine, which reads pinned memory faster than the copy
+kernel (benchmarks/README.md, run 51). The decisions are the same; inside a CUDA graph
+or ``torch.compile`` the kernel copies.
+
 ``passes(..., overlap=True)`` (the caller sums passes exactly) on a pool smaller than the
 layer overlaps copies with compute. A call that needs several passes takes groups of half
 the share (`expertcache.passes`); a call that fits is one pass. Every admission and copy of
@@ -64,8 +70,8 @@ from expertcache.host_prepare import local_keys
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.admission import admit
 from expertcache.kernels.passes import assign_passes
-from expertcache.kernels.slot_tables import SlotTables
-from expertcache.mover import copy_with_kernel, restore_slots
+from expertcache.kernels.slot_tables import PLAN_FIELDS, SlotTables
+from expertcache.mover import copy_with_engine, copy_with_kernel, restore_slots
 from expertcache.passes import max_passes
 from expertcache.policies import EvictionPolicy
 
@@ -134,10 +140,21 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bo
 
 
 def _run(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Tensor, index: int) -> torch.Tensor:
-    # Eagerly the implementation runs directly (the dispatcher costs ~10 us a call);
-    # torch.compile sees the custom op.
-    run = torch.ops.expertcache.prepare_on_device if torch.compiler.is_compiling() else _admit_and_copy
-    return run(ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index)
+    # torch.compile sees the custom op; eagerly the implementation runs directly (the
+    # dispatcher costs ~10 us a call), and a call larger than the share may take the engine.
+    if torch.compiler.is_compiling():
+        return torch.ops.expertcache.prepare_on_device(
+            ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index
+        )
+    tables, named = pool.tables, dict(pool.tensors)
+    return _admit_and_move(pool, layer, tables, named, ids, pass_of, index, engine=_by_engine(pool, ids))
+
+
+def _by_engine(pool: SlotPool, ids: torch.Tensor) -> bool:
+    """Whether this eager call reads each pass's plan on the host and copies with the engine:
+    a call of more ids than the share (a prefill), on a pool whose mover is the engine."""
+    capturing = pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return pool.mover == "engine" and ids.numel() > pool.share and not capturing
 
 
 def _capacity(pool: SlotPool) -> str:
@@ -271,27 +288,44 @@ def _admit_and_copy(
     pass_of: torch.Tensor,
     pass_index: int,
 ) -> torch.Tensor:
-    """One call (``pass_of`` empty) or one pass of a call on the current stream: admission,
-    then copies (the custom op's implementation)."""
+    """The custom op's implementation: `_admit_and_move` with the copy kernel."""
     owner = _POOLS[pool]
-    entry = owner.ordered_layers[layer]
     tables = owner.tables if state.data_ptr() == owner.tables.buffer.data_ptr() else _view_like(owner.tables, state)
-    out = torch.empty_like(topk_ids)
     named = dict(zip(owner.tensors, slots, strict=True))
+    return _admit_and_move(owner, owner.ordered_layers[layer], tables, named, topk_ids, pass_of, pass_index)
+
+
+def _admit_and_move(
+    pool: SlotPool,
+    layer: PoolLayer,
+    tables: SlotTables,
+    slots: dict[str, torch.Tensor],
+    topk_ids: torch.Tensor,
+    pass_of: torch.Tensor,
+    pass_index: int,
+    engine: bool = False,
+) -> torch.Tensor:
+    """One call (``pass_of`` empty) or one pass of a call on the current stream: admission,
+    then the plan's copies, by the copy kernel or (``engine``: the plan read on the host,
+    one sync) by the copy engine. Returns the slot ids, ``topk_ids``' shape, int32."""
+    out = torch.empty_like(topk_ids)
     passes = pass_of if pass_of.numel() else None
-    where = dict(num_global=entry.num_global, key_offset=entry.key_offset)
-    with owner.guard, on_device(owner.device), deferred_interrupts():
-        owner.calls_begun += 1  # an overlapped call suspended between its passes now refuses to go on
-        join_copies(owner)
-        owner.passes_owed = False  # a new call ends what an earlier one's slots held
-        with _undone_on_error(owner, tables, named, None):
+    where = dict(num_global=layer.num_global, key_offset=layer.key_offset)
+    with pool.guard, on_device(pool.device), deferred_interrupts():
+        pool.calls_begun += 1  # an overlapped call suspended between its passes now refuses to go on
+        join_copies(pool)
+        pool.passes_owed = False  # a new call ends what an earlier one's slots held
+        with _undone_on_error(pool, tables, slots, None):
             if passes is not None and pass_index == 0:
-                assign_passes(tables, topk_ids, entry.global_to_local, passes, **where)
+                assign_passes(tables, topk_ids, layer.global_to_local, passes, **where)
             admit(
-                tables, topk_ids, entry.global_to_local, out, layer=entry.index, passes=passes, pass_index=pass_index,
-                key_layer=owner.key_layer, **where,
+                tables, topk_ids, layer.global_to_local, out, layer=layer.index, passes=passes, pass_index=pass_index,
+                key_layer=pool.key_layer, **where,
             )  # fmt: skip
-            copy_with_kernel(named, entry.store, tables.plan, entry.copy_groups)
+            if engine:
+                copy_with_engine(slots, layer.store, _planned_loads(tables), layer.key_offset, pool.copy_expert)
+            else:
+                copy_with_kernel(slots, layer.store, tables.plan, layer.copy_groups)
     return out
 
 
@@ -357,13 +391,15 @@ def _roll_back(pool: SlotPool, tables: SlotTables, slots: dict[str, torch.Tensor
     """Undo a call that failed after admission ran: its slots, then its tables (syncs)."""
     if torch.equal(tables.buffer, backup):
         return  # the admission never ran: nothing to undo
-    count = int(tables.plan[0])
-    loads = [
-        Load(key, slot, None if evicted < 0 else evicted)
-        for _, slot, key, evicted in tables.plan_entries()[:count].tolist()
-    ]
-    restore_slots(slots, loads, pool.store_of)
+    restore_slots(slots, _planned_loads(tables), pool.store_of)
     tables.buffer.copy_(backup)
+
+
+def _planned_loads(tables: SlotTables) -> list[Load]:
+    """The plan's loads, read on the host (one sync)."""
+    plan = tables.plan.cpu()
+    entries = plan[1:].view(tables.num_slots, len(PLAN_FIELDS))[: int(plan[0])]
+    return [Load(key, slot, None if evicted < 0 else evicted) for _, slot, key, evicted in entries.tolist()]
 
 
 def _view_like(tables: SlotTables, buffer: torch.Tensor) -> SlotTables:

@@ -44,6 +44,12 @@ from expertcache.validation import check_mode_device, check_overlap, check_topk_
 
 MODES = ("host", "device")
 
+#: CUDA priority of a pool's copy stream (lower is higher; torch clamps it to the device's
+#: range). A layer's admissions and copies are its critical path: when they contend with the
+#: apply for SMs they should go first. Kernels keep it inside CUDA graphs (PyTorch
+#: instantiates graphs with per-node priorities). 0: the default priority (an ablation).
+COPY_STREAM_PRIORITY = -1
+
 
 @dataclass(frozen=True)
 class PoolLayer:
@@ -72,8 +78,12 @@ class SlotPool:
         device: where the slots live (default: the current CUDA device, else the CPU).
         policy: eviction policy name or a fresh instance (host mode); device mode is LRU.
         mode: ``"host"`` (default) or ``"device"``.
-        mover: how host mode moves misses, ``"engine"`` (default) or ``"kernel"``; device
-            mode always uses the copy kernel.
+        mover: how misses are moved, ``"engine"`` (default) or ``"kernel"``. Host mode: the
+            copy engine, or the copy kernel from the uploaded plan. Device mode plans on the
+            GPU and copies with the kernel; ``"engine"`` applies only to its eager calls of
+            more ids than the share (a prefill, which device mode checks on the host
+            already): each pass's plan is read back (one sync a pass) and the engine copies,
+            at its faster rate. Inside CUDA graphs and ``torch.compile`` it is the kernel.
 
     Attach every layer before the first ``prepare``. A pool serves one thread at a time;
     a result's slot tensors hold its experts until the pool's next ``prepare``.
@@ -93,12 +103,12 @@ class SlotPool:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if mover not in (None, *MOVERS) or (mode == "device" and mover == "engine"):
-            raise ValueError(f"mover must be one of {MOVERS} ('kernel' in device mode), got {mover!r}")
+        if mover not in (None, *MOVERS):
+            raise ValueError(f"mover must be one of {MOVERS}, got {mover!r}")
         self.layout = layout
         self.device = resolve_device(device)
         self.mode = mode
-        self.mover = mover or ("engine" if mode == "host" else "kernel")
+        self.mover = mover or "engine"
         if mode == "device" or self.mover == "kernel":
             check_mode_device(self.device)
         if mode == "device":
@@ -346,7 +356,7 @@ class SlotPool:
         if self.device.type != "cuda":
             return None
         if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
+            self._copy_stream = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY)
         return self._copy_stream
 
     def _started_by(self, slot_ids: Generator[torch.Tensor]) -> Generator[torch.Tensor]:

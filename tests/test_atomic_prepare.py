@@ -114,6 +114,23 @@ def test_a_failing_later_pass_rolls_back_to_the_pass_before(monkeypatch, device,
     assert_next_call_is_right(provider, weights, device)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("when", [fail_before, fail_after])
+def test_a_failing_engine_copy_of_an_eager_device_pass_rolls_back(monkeypatch, device, when):
+    """Device mode's eager passes of a call larger than the share copy with the engine; when
+    pass 1's copies fail (before any or after all landed), the pool is as pass 0 left it."""
+    weights, provider = warm(device, "device")
+    passes = provider.passes(torch.arange(E, device=device).reshape(4, 2))  # 8 experts, 4 slots: 2 passes
+    next(passes)  # the 4 resident experts, nothing copied
+    before = snapshot(provider)
+    monkeypatch.setattr(device_prepare, "copy_with_engine", when(device_prepare.copy_with_engine, RuntimeError))
+    with pytest.raises(RuntimeError, match="injected"):
+        next(passes)  # pass 1: 4 misses, 4 evictions
+    monkeypatch.undo()
+    assert_unchanged(provider, before)
+    assert_next_call_is_right(provider, weights, device)
+
+
 def fail_on_call(real, failure, number):
     """``real``, except that its ``number``-th call (from 1) does its work and then raises."""
     calls = []

@@ -17,10 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import devices
-from helpers import cached_and_full_stacks, random_topk, random_weights
+from helpers import cached_and_full_stacks, random_topk, random_weights, same_bytes, slot_bytes, views
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import expertcache.device_prepare as device_prepare
 import expertcache.host_prepare as host_prepare
 from expertcache import CachedWeightProvider, FullGPUProvider, SlotPool
 from expertcache.kernels import moe_apply, moe_apply_grouped, moe_apply_passes
@@ -122,6 +123,38 @@ def test_over_capacity_calls_equal_the_full_weights_reference(mode, tokens, top_
         assert stats.calls - before.calls == 1
         # every distinct expert is a hit (pass 0) or loaded exactly once
         assert (stats.hits - before.hits) + (stats.misses - before.misses) == distinct
+
+
+@pytest.mark.parametrize("device", devices())
+def test_eager_device_calls_larger_than_the_share_copy_with_the_engine(monkeypatch, device):
+    """Device mode's eager calls of more ids than the share read each pass's plan back and
+    copy with the engine (the default mover); ``mover="kernel"`` keeps the copy kernel, and a
+    call that fits always takes it. Both make the same decisions into the same slots."""
+    gen = torch.Generator().manual_seed(11)
+    weights = random_weights(16, HIDDEN, INTER, generator=gen)
+    full = {name: tensor.to(device) for name, tensor in weights.items()}
+    providers = {
+        mover: CachedWeightProvider(
+            weights, pool=SlotPool.for_weights(weights, 3, device=device, mode="device", mover=mover)
+        )
+        for mover in ("engine", "kernel")
+    }
+    used: list[str] = []
+    for name in ("copy_with_engine", "copy_with_kernel"):
+        real = getattr(device_prepare, name)
+        monkeypatch.setattr(device_prepare, name, lambda *a, real=real, name=name: used.append(name) or real(*a))
+    for tokens in (1, 12, 1, 20):  # 2 ids fit in 3 slots; 24 and 40 do not
+        ids = random_topk(tokens, 2, 16, generator=gen).to(device)
+        hidden, router = torch.randn(tokens, HIDDEN, generator=gen).to(device), torch.rand(tokens, 2, generator=gen)
+        for mover, provider in providers.items():
+            used.clear()
+            out = _reference_over_passes(hidden, provider.passes(ids), router.to(device))
+            assert torch.equal(out, moe_forward(hidden, full["w1"], full["w2"], router.to(device), ids))
+            by_engine = mover == "engine" and tokens > 1
+            assert set(used) == {"copy_with_engine" if by_engine else "copy_with_kernel"}
+        engine, kernel = providers.values()
+        assert views(engine) == views(kernel)
+        assert same_bytes(slot_bytes(engine.pool), slot_bytes(kernel.pool))
 
 
 @pytest.mark.parametrize("mode", ["host", "device"])
@@ -316,6 +349,15 @@ def test_a_call_between_two_overlapped_device_passes_stops_the_call(device, betw
             mine = (result.topk_ids >= 0).unsqueeze(-1)
             served = torch.where(mine, expert_outputs(rows, result.w1, result.w2, result.topk_ids), served)
         assert torch.equal(served, expert_outputs(rows, weights["w1"], weights["w2"], ids))
+
+
+@pytest.mark.gpu
+def test_the_copy_stream_runs_above_the_compute_stream():
+    """A device pool's copy stream (admissions and copies, a layer's critical path) has a
+    higher CUDA priority (a lower number) than the default stream the apply runs on."""
+    pool = SlotPool.for_weights(random_weights(4, HIDDEN, INTER), 2, device="cuda", mode="device")
+    stream = pool.copy_stream()
+    assert stream is not None and stream.priority < torch.cuda.current_stream().priority
 
 
 @pytest.mark.gpu
