@@ -55,6 +55,9 @@ def append_csv(name: str, rows: Sequence[dict]) -> Path:
     """Append ``rows`` (stamped with `environment`) to ``benchmarks/results/<name>.csv``.
 
     Columns are the union over ``rows`` (and the existing header); missing cells stay empty.
+    An existing file with more cells in a row than in its header is left alone: the rows go
+    to ``<name>.unmerged.csv`` beside it and a ValueError says so (a run's measurements are
+    never lost to a damaged file).
     """
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.csv"
@@ -67,11 +70,22 @@ def append_csv(name: str, rows: Sequence[dict]) -> Path:
             reader = csv.DictReader(handle)
             existing = list(reader)
             fields = list(dict.fromkeys([*(reader.fieldnames or []), *fields]))
+        damaged = [number for number, row in enumerate(existing, start=2) if None in row]
+        if damaged:
+            aside = path.with_name(f"{name}.unmerged.csv")
+            _write_csv(aside, list(dict.fromkeys(key for row in rows for key in row)), rows)
+            raise ValueError(
+                f"{path}: line {damaged[0]} has more cells than the header; this run's rows went to {aside}"
+            )
+    _write_csv(path, fields, [*existing, *rows])
+    return path
+
+
+def _write_csv(path: Path, fields: list[str], rows: Sequence[dict]) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
-        writer.writerows([*existing, *rows])
-    return path
+        writer.writerows(rows)
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str], title: str = "") -> None:

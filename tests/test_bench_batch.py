@@ -26,6 +26,7 @@ from helpers import BENCHMARKS, bench_module, traces_env
         ("bench_batch", ["--serial", "0.3"], "--serial 0.3 is not among --fractions"),
         ("bench_batch", ["--overlap", "maybe"], "--overlap: invalid choice"),
         ("bench_batch", ["--chain", "yes"], "--chain: invalid choice"),
+        ("bench_batch", ["--copy-priority", "low"], "--copy-priority: invalid choice"),
         ("bench_copy_service", ["--misses", "0"], "--misses must lie in 1..64"),
         ("bench_copy_service", ["--misses", "65"], "--misses must lie in 1..64"),  # more than the slots
         ("bench_copy_service", ["--layers", "0"], "--layers and --repeats >= 1"),

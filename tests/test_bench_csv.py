@@ -1,0 +1,41 @@
+"""benchmarks/_common.append_csv: rows join the file under the union of columns, and a
+damaged file never costs a run its rows."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from helpers import bench_module
+
+
+@pytest.fixture
+def common(tmp_path, monkeypatch):
+    module = bench_module("_common")
+    monkeypatch.setattr(module, "RESULTS", tmp_path)
+    monkeypatch.setenv("EXPERTCACHE_COMMIT", "abc1234")
+    return module
+
+
+def read(path):
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_rows_append_under_the_union_of_columns(common, tmp_path):
+    common.append_csv("bench", [{"variant": "a", "ms": 1.5}])
+    common.append_csv("bench", [{"variant": "b", "ratio": 1.1}])
+    rows = read(tmp_path / "bench.csv")
+    assert [(row["variant"], row["ms"], row["ratio"], row["commit"]) for row in rows] == [
+        ("a", "1.5", "", "abc1234"),
+        ("b", "", "1.1", "abc1234"),
+    ]
+
+
+def test_a_file_with_rows_longer_than_its_header_is_left_alone_and_the_rows_go_aside(common, tmp_path):
+    damaged = tmp_path / "bench.csv"
+    damaged.write_text("variant,ms\na,1.0\nb,2.0,on,on\n")
+    with pytest.raises(ValueError, match=r"bench.csv: line 3 has more cells than the header; .*bench.unmerged.csv"):
+        common.append_csv("bench", [{"variant": "c", "ms": 3.0}])
+    assert damaged.read_text() == "variant,ms\na,1.0\nb,2.0,on,on\n"
+    assert [(row["variant"], row["ms"]) for row in read(tmp_path / "bench.unmerged.csv")] == [("c", "3.0")]
