@@ -81,9 +81,9 @@ class SlotPool:
         mover: how misses are moved, ``"engine"`` (default) or ``"kernel"``. Host mode: the
             copy engine, or the copy kernel from the uploaded plan. Device mode plans on the
             GPU and copies with the kernel; ``"engine"`` applies only to its eager calls of
-            more ids than the share (a prefill, which device mode checks on the host
-            already): each pass's plan is read back (one sync a pass) and the engine copies,
-            at its faster rate. Inside CUDA graphs and ``torch.compile`` it is the kernel.
+            more ids than the share (a prefill): each pass's plan is read back (one sync a
+            pass) and the engine copies, at its faster rate. Inside CUDA graphs and
+            ``torch.compile`` it is the kernel.
 
     Attach every layer before the first ``prepare``. A pool serves one thread at a time;
     a result's slot tensors hold its experts until the pool's next ``prepare``.
