@@ -56,8 +56,8 @@ def append_csv(name: str, rows: Sequence[dict]) -> Path:
 
     Columns are the union over ``rows`` (and the existing header); missing cells stay empty.
     An existing file with more cells in a row than in its header is left alone: the rows go
-    to ``<name>.unmerged.csv`` beside it and a ValueError says so (a run's measurements are
-    never lost to a damaged file).
+    to a new ``<name>.unmerged-<UTC time>.csv`` beside it and a ValueError says so (a run's
+    measurements are never lost to a damaged file).
     """
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.csv"
@@ -72,7 +72,8 @@ def append_csv(name: str, rows: Sequence[dict]) -> Path:
             fields = list(dict.fromkeys([*(reader.fieldnames or []), *fields]))
         damaged = [number for number, row in enumerate(existing, start=2) if None in row]
         if damaged:
-            aside = path.with_name(f"{name}.unmerged.csv")
+            now = datetime.datetime.now(datetime.timezone.utc)
+            aside = path.with_name(f"{name}.unmerged-{now:%Y%m%dT%H%M%S%f}.csv")
             _write_csv(aside, list(dict.fromkeys(key for row in rows for key in row)), rows)
             raise ValueError(
                 f"{path}: line {damaged[0]} has more cells than the header; this run's rows went to {aside}"

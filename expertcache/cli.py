@@ -101,7 +101,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         choices=MODES,
         default="host",
         help="host: admission on the host, any policy; device: admission on the GPU (lru only), "
-        "no host sync, CUDA-graph capturable (default: host)",
+        "CUDA-graph capturable, no host sync but for an eager prefill (default: host)",
     )
     group.add_argument(
         "--moe-expert-cache-device",

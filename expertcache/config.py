@@ -12,7 +12,8 @@ One dataclass carries what the ``--moe-*`` flags say (see `expertcache.cli.add_c
     device            where the slots live (None: where the expert weights are); "cpu" or
                       "cuda[:N]", stored as torch spells it ("cpu:0" becomes "cpu")
     mode              "host": admission on the host, any policy (default);
-                      "device": admission on the GPU (LRU), no host sync, CUDA-graph capturable
+                      "device": admission on the GPU (LRU), CUDA-graph capturable, no host
+                      sync but for an eager prefill (one a pass, to copy with the engine)
     compression       None (default: experts stored as they are) or "exponent": bf16/fp16
                       experts stored losslessly exponent-coded (`expertcache.compression`,
                       ~0.68 of the bytes for bf16; PCIe carries the coded bytes, the slots

@@ -1,6 +1,7 @@
 """Device mode's ``prepare``: the LRU admission kernel plans and commits, the copy kernel moves.
 
-No host sync and fixed shapes, so the call can be captured in a CUDA graph::
+No host sync and fixed shapes, so the call can be captured in a CUDA graph (an eager
+prefill is the exception, below)::
 
     admission kernel   ids -> keys, hits, victims (LRU), tables updated, plan, slot ids
     copy kernel        the plan's experts, every registered tensor, host -> slots
@@ -17,19 +18,21 @@ A ``prepare`` of more ids than the pool's share (its slots, for one layer;
 `expertcache.layer_shares`) could need more distinct experts than a call may hold: eagerly
 it is checked on the host first (one sync), raising like host mode; inside a CUDA graph
 such a call is refused (the kernel alone would only flag it, in ``stats.overflows``).
-``passes`` serves any call without a sync: `expertcache.passes.max_passes` passes, fixed
-by the call's shape; the first one also assigns every position its pass on the device
-(`expertcache.kernels.passes`), each is one op as above, and the passes a call does not
-need are empty (launches only)::
+``passes`` serves any call (without a sync but for an eager prefill, below):
+`expertcache.passes.max_passes` passes, fixed by the call's shape; the first one also
+assigns every position its pass on the device (`expertcache.kernels.passes`), each is one
+op as above, and the passes a call does not need are empty (launches only)::
 
     pass 0      assign passes, admit pass 0, copy      -> slot ids of pass 0, -1 elsewhere
     pass g > 0  admit pass g, copy                     -> slot ids of pass g, -1 elsewhere
 
-Eager calls of more ids than the share (a prefill) on a pool whose ``mover`` is
-``"engine"`` (the default) read each pass's plan back after its admission (one sync a
-pass) and copy with the copy engine, which reads pinned memory faster than the copy
-kernel (benchmarks/README.md, run 51). The decisions are the same; inside a CUDA graph
-or ``torch.compile`` the kernel copies.
+An eager prefill (more than `expertcache.passes.OVERLAP_MAX_IDS` ids, served one pass after
+the other, that may need more experts than the share) on a pool whose ``mover`` is
+``"engine"`` (the default) reads each pass's plan back after its admission (one sync a
+pass) and copies with the copy engine, which reads pinned memory faster than the copy
+kernel (benchmarks/README.md, runs 51-52). The decisions are the same. Smaller calls,
+overlapped passes, prefetches and anything inside a CUDA graph or ``torch.compile`` copy
+with the kernel.
 
 ``passes(..., overlap=True)`` (the caller sums passes exactly) on a pool smaller than the
 layer overlaps copies with compute. A call that needs several passes takes groups of half
@@ -70,9 +73,9 @@ from expertcache.host_prepare import local_keys
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.admission import admit
 from expertcache.kernels.passes import assign_passes
-from expertcache.kernels.slot_tables import PLAN_FIELDS, SlotTables
+from expertcache.kernels.slot_tables import SlotTables
 from expertcache.mover import copy_with_engine, copy_with_kernel, restore_slots
-from expertcache.passes import max_passes
+from expertcache.passes import OVERLAP_MAX_IDS, max_passes
 from expertcache.policies import EvictionPolicy
 
 if TYPE_CHECKING:
@@ -111,7 +114,7 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
                 f"under torch.compile a device-mode call may hold at most {_capacity(pool)} ids (got "
                 f"{topk_ids.numel()}): a larger call is checked on the host, which a compiled graph cannot do"
             )
-        if pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if _capturing(pool):
             raise ValueError(
                 f"a CUDA graph can hold a call of at most {_capacity(pool)} ids (got "
                 f"{topk_ids.numel()}): only then can it never need more experts than it may hold"
@@ -147,14 +150,23 @@ def _run(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Ten
             ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index
         )
     tables, named = pool.tables, dict(pool.tensors)
-    return _admit_and_move(pool, layer, tables, named, ids, pass_of, index, engine=_by_engine(pool, ids))
+    return _admit_and_move(pool, layer, tables, named, ids, pass_of, index, engine=_by_engine(pool, layer, ids))
 
 
-def _by_engine(pool: SlotPool, ids: torch.Tensor) -> bool:
+def _by_engine(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> bool:
     """Whether this eager call reads each pass's plan on the host and copies with the engine:
-    a call of more ids than the share (a prefill), on a pool whose mover is the engine."""
-    capturing = pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    return pool.mover == "engine" and ids.numel() > pool.share and not capturing
+    a prefill (more than `OVERLAP_MAX_IDS` ids, the line `DecodeStack` draws) that could
+    need more experts than the share, on a pool whose mover is the engine."""
+    prefill = ids.numel() > OVERLAP_MAX_IDS and min(ids.numel(), layer.num_experts) > pool.share
+    return pool.mover == "engine" and prefill and not _capturing(pool)
+
+
+def _capturing(pool: SlotPool) -> bool:
+    """Whether the pool's device's current stream is capturing a CUDA graph."""
+    if pool.device.type != "cuda":
+        return False
+    with torch.cuda.device(pool.device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _capacity(pool: SlotPool) -> str:
@@ -279,7 +291,7 @@ def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None
             pool.copies_pending, pool.copy_inputs = True, (expert_ids, out)
 
 
-def _admit_and_copy(
+def _prepare_op(
     topk_ids: torch.Tensor,
     state: torch.Tensor,
     slots: list[torch.Tensor],
@@ -323,7 +335,10 @@ def _admit_and_move(
                 key_layer=pool.key_layer, **where,
             )  # fmt: skip
             if engine:
-                copy_with_engine(slots, layer.store, _planned_loads(tables), layer.key_offset, pool.copy_expert)
+                loads = _planned_loads(tables)
+                copy_with_engine(
+                    slots, layer.store, loads, layer.key_offset, pool.copy_expert, tables.plan, layer.copy_groups
+                )
             else:
                 copy_with_kernel(slots, layer.store, tables.plan, layer.copy_groups)
     return out
@@ -367,9 +382,7 @@ def _on_stream(stream: torch.cuda.Stream | None):
     return torch.cuda.stream(stream)
 
 
-_op = torch.library.custom_op(
-    "expertcache::prepare_on_device", _admit_and_copy, mutates_args=("state", "slots", "pass_of")
-)
+_op = torch.library.custom_op("expertcache::prepare_on_device", _prepare_op, mutates_args=("state", "slots", "pass_of"))
 
 
 @_op.register_fake
@@ -379,7 +392,7 @@ def _(topk_ids, state, slots, pool, layer, pass_of, pass_index) -> torch.Tensor:
 
 def _snapshot(pool: SlotPool, state: torch.Tensor) -> torch.Tensor | None:
     """A copy of the state to roll back to; none inside a capture (nothing runs until replay)."""
-    if pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(pool):
         return None
     if pool.backup is None or pool.backup.shape != state.shape:
         with torch.inference_mode(False):
@@ -397,9 +410,8 @@ def _roll_back(pool: SlotPool, tables: SlotTables, slots: dict[str, torch.Tensor
 
 def _planned_loads(tables: SlotTables) -> list[Load]:
     """The plan's loads, read on the host (one sync)."""
-    plan = tables.plan.cpu()
-    entries = plan[1:].view(tables.num_slots, len(PLAN_FIELDS))[: int(plan[0])]
-    return [Load(key, slot, None if evicted < 0 else evicted) for _, slot, key, evicted in entries.tolist()]
+    entries = tables.plan_on_host().tolist()
+    return [Load(key, slot, None if evicted < 0 else evicted) for _, slot, key, evicted in entries]
 
 
 def _view_like(tables: SlotTables, buffer: torch.Tensor) -> SlotTables:

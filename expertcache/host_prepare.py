@@ -276,7 +276,10 @@ def _move(pool: SlotPool, layer: PoolLayer, plan: CallPlan) -> None:
     if not plan.loads:
         return
     if pool.mover == "engine":
-        copy_with_engine(pool.tensors, layer.store, plan.loads, layer.key_offset, pool.copy_expert)
+        copy_with_engine(
+            pool.tensors, layer.store, plan.loads, layer.key_offset, pool.copy_expert, pool.tables.plan,
+            layer.copy_groups,
+        )  # fmt: skip
         return
     copy_with_kernel(pool.tensors, layer.store, pool.tables.plan, layer.copy_groups)
 

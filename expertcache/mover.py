@@ -2,10 +2,11 @@
 
 Two ways to execute a plan, with the same result in the slot tensors:
 
-* ``"engine"``: the plan is known on the host (host mode); each missed expert's tensors go
-  host -> slot with the copy engine (``copy_`` from pinned memory, non-blocking, on the
-  current stream: ordered after every earlier kernel that read the slot, before this
-  call's kernels). One copy per registered tensor.
+* ``"engine"``: the plan is known on the host (host mode, and device mode's eager prefills,
+  which read it back); each missed expert's tensors go host -> slot with the copy engine
+  (``copy_`` from pinned memory, non-blocking, on the current stream: ordered after every
+  earlier kernel that read the slot, before this call's kernels). One copy per registered
+  tensor.
 * ``"kernel"``: the plan lives on the device (device mode, or host mode after uploading
   it); one launch of the copy kernel (`expertcache.kernels.copy_experts`) per group of up
   to eight tensors reads mapped pinned memory and writes every tensor of every planned
@@ -66,20 +67,23 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def copy_with_engine(
-    slots: Mapping[str, torch.Tensor], store: CPUBackingStore, loads: Sequence[Load], key_offset: int, hook: CopyExpert
+    slots: Mapping[str, torch.Tensor],
+    store: CPUBackingStore,
+    loads: Sequence[Load],
+    key_offset: int,
+    hook: CopyExpert,
+    plan: torch.Tensor,
+    groups: Sequence[CopyGroup | DecodeGroup],
 ) -> None:
-    """Copy every load's expert (key ``key_offset + expert`` of ``store``) into its slot."""
+    """Copy every load's expert (key ``key_offset + expert`` of ``store``) into its slot: raw
+    names by the engine (``hook``), coded ones by ``groups``' decode launches from ``plan``,
+    the same loads on the device."""
     raw = [name for name in slots if name not in store.records]
     for load in loads:
         expert = int(load.key) - key_offset  # type: ignore[call-overload]
         hook([(slots[name][load.slot], store.tensors[name][expert]) for name in raw])
     if store.records and loads:
-        entries = [[int(load.key) - key_offset, load.slot, 0, 0] for load in loads]  # type: ignore[call-overload]
-        flat = torch.tensor([len(entries), *(v for entry in entries for v in entry)], dtype=torch.int32)
-        device = next(iter(slots.values())).device
-        plan = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat
-        groups = [group for group in copy_groups(store, device) if isinstance(group, DecodeGroup)]
-        copy_with_kernel(slots, store, plan, groups)
+        copy_with_kernel(slots, store, plan, [group for group in groups if isinstance(group, DecodeGroup)])
 
 
 @dataclass(frozen=True)

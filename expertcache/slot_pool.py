@@ -15,6 +15,7 @@ expert-group pass, for calls of more experts than slots)::
     host mode    ids and tables read on the host (one sync) -> any policy plans (call_plan)
                  -> copy engine moves -> commit kernel applies the plan, counts, remaps
     device mode  LRU admission kernel plans, commits, remaps -> copy kernel moves
+                 (an eager prefill: the plan read back, the copy engine moves)
 
 The modes differ in who fills the plan; the tables, the copy kernel, the remap lookup and
 every read-only view are shared. A call either completes or leaves the pool exactly as it
@@ -48,6 +49,7 @@ MODES = ("host", "device")
 #: range). A layer's admissions and copies are its critical path: when they contend with the
 #: apply for SMs they should go first. Kernels keep it inside CUDA graphs (PyTorch
 #: instantiates graphs with per-node priorities). 0: the default priority (an ablation).
+#: Measured on raw per-layer device caches at batch 4-16 only (benchmarks/README.md, run 51).
 COPY_STREAM_PRIORITY = -1
 
 
@@ -80,10 +82,11 @@ class SlotPool:
         mode: ``"host"`` (default) or ``"device"``.
         mover: how misses are moved, ``"engine"`` (default) or ``"kernel"``. Host mode: the
             copy engine, or the copy kernel from the uploaded plan. Device mode plans on the
-            GPU and copies with the kernel; ``"engine"`` applies only to its eager calls of
-            more ids than the share (a prefill): each pass's plan is read back (one sync a
-            pass) and the engine copies, at its faster rate. Inside CUDA graphs and
-            ``torch.compile`` it is the kernel.
+            GPU and copies with the kernel; ``"engine"`` applies only to its eager
+            prefills (passes one after the other of more than ``OVERLAP_MAX_IDS`` ids that
+            may need more experts than the share): each pass's plan is read back (one sync
+            a pass) and the engine copies, at its faster rate. Everything else (inside CUDA
+            graphs and ``torch.compile`` too) copies with the kernel.
 
     Attach every layer before the first ``prepare``. A pool serves one thread at a time;
     a result's slot tensors hold its experts until the pool's next ``prepare``.

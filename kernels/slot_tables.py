@@ -127,3 +127,8 @@ class SlotTables:
     def plan_entries(self) -> torch.Tensor:
         """``[S, 4]`` view of the plan entries (expert, slot, key, evicted key)."""
         return self.plan[1:].view(self.num_slots, len(PLAN_FIELDS))
+
+    def plan_on_host(self) -> torch.Tensor:
+        """``[count, 4]`` int32 on the CPU: the planned entries, read in one copy (a sync)."""
+        plan = self.plan.cpu()
+        return plan[1:].view(self.num_slots, len(PLAN_FIELDS))[: int(plan[0])]

@@ -117,8 +117,9 @@ def test_a_failing_later_pass_rolls_back_to_the_pass_before(monkeypatch, device,
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("when", [fail_before, fail_after])
 def test_a_failing_engine_copy_of_an_eager_device_pass_rolls_back(monkeypatch, device, when):
-    """Device mode's eager passes of a call larger than the share copy with the engine; when
+    """Device mode's eager passes of a prefill copy with the engine; when
     pass 1's copies fail (before any or after all landed), the pool is as pass 0 left it."""
+    monkeypatch.setattr(device_prepare, "OVERLAP_MAX_IDS", 4)  # 8 ids: a prefill
     weights, provider = warm(device, "device")
     passes = provider.passes(torch.arange(E, device=device).reshape(4, 2))  # 8 experts, 4 slots: 2 passes
     next(passes)  # the 4 resident experts, nothing copied

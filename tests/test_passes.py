@@ -126,31 +126,39 @@ def test_over_capacity_calls_equal_the_full_weights_reference(mode, tokens, top_
 
 
 @pytest.mark.parametrize("device", devices())
-def test_eager_device_calls_larger_than_the_share_copy_with_the_engine(monkeypatch, device):
-    """Device mode's eager calls of more ids than the share read each pass's plan back and
-    copy with the engine (the default mover); ``mover="kernel"`` keeps the copy kernel, and a
-    call that fits always takes it. Both make the same decisions into the same slots."""
+@pytest.mark.parametrize("compression", [None, "exponent"])
+def test_eager_device_prefills_copy_with_the_engine(monkeypatch, device, compression):
+    """Device mode's eager prefills (more than ``OVERLAP_MAX_IDS`` ids, here 8, that may need
+    more experts than the share) read each pass's plan back and copy with the engine (the
+    default mover; a coded store's names through the decoding kernel from the device plan);
+    ``mover="kernel"`` keeps the copy kernel, and so does any smaller call. Both make the same
+    decisions into the same slot bytes."""
+    monkeypatch.setattr(device_prepare, "OVERLAP_MAX_IDS", 8)
     gen = torch.Generator().manual_seed(11)
-    weights = random_weights(16, HIDDEN, INTER, generator=gen)
+    dtype = torch.float32 if compression is None else torch.bfloat16
+    weights = {name: tensor.to(dtype) for name, tensor in random_weights(16, HIDDEN, INTER, generator=gen).items()}
     full = {name: tensor.to(device) for name, tensor in weights.items()}
     providers = {
         mover: CachedWeightProvider(
-            weights, pool=SlotPool.for_weights(weights, 3, device=device, mode="device", mover=mover)
-        )
+            weights,
+            pool=SlotPool.for_weights(weights, 3, device=device, mode="device", mover=mover),
+            compression=compression,
+        )  # fmt: skip
         for mover in ("engine", "kernel")
     }
     used: list[str] = []
     for name in ("copy_with_engine", "copy_with_kernel"):
         real = getattr(device_prepare, name)
         monkeypatch.setattr(device_prepare, name, lambda *a, real=real, name=name: used.append(name) or real(*a))
-    for tokens in (1, 12, 1, 20):  # 2 ids fit in 3 slots; 24 and 40 do not
+    for tokens in (1, 4, 12, 1, 20):  # 2 and 8 ids: no prefill; 24 and 40 ids are
         ids = random_topk(tokens, 2, 16, generator=gen).to(device)
-        hidden, router = torch.randn(tokens, HIDDEN, generator=gen).to(device), torch.rand(tokens, 2, generator=gen)
+        hidden = torch.randn(tokens, HIDDEN, generator=gen).to(device, dtype)
+        router = torch.rand(tokens, 2, generator=gen).to(device, dtype)
         for mover, provider in providers.items():
             used.clear()
-            out = _reference_over_passes(hidden, provider.passes(ids), router.to(device))
-            assert torch.equal(out, moe_forward(hidden, full["w1"], full["w2"], router.to(device), ids))
-            by_engine = mover == "engine" and tokens > 1
+            out = _reference_over_passes(hidden, provider.passes(ids), router)
+            assert torch.equal(out, moe_forward(hidden, full["w1"], full["w2"], router, ids))
+            by_engine = mover == "engine" and tokens > 4
             assert set(used) == {"copy_with_engine" if by_engine else "copy_with_kernel"}
         engine, kernel = providers.values()
         assert views(engine) == views(kernel)

@@ -16,8 +16,9 @@ collective, so the first chunk takes the hold and the rest queue behind it; the 
 check matters once copies are issued over time (a background prefetcher).
 
 Off by default; `CopyPacer.engaged` is false with a single rank, where there is no
-collective to protect. It hooks into the copy path through `SlotPool.copy_expert` only and
-never changes which bytes land where. Whether it helps is a measurement
+collective to protect. It hooks into the copy path through `SlotPool.copy_expert` only
+(every copy in host mode; in device mode only an eager prefill's, which the copy engine
+moves) and never changes which bytes land where. Whether it helps is a measurement
 (``benchmarks/bench_ep.py``): on NVLink-connected GPUs the collective does not cross PCIe
 and pacing can only remove overlap.
 """
