@@ -144,7 +144,7 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bo
 
 def _run(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Tensor, index: int) -> torch.Tensor:
     # torch.compile sees the custom op; eagerly the implementation runs directly (the
-    # dispatcher costs ~10 us a call), and a call larger than the share may take the engine.
+    # dispatcher costs ~10 us a call), and a prefill may take the copy engine (`_by_engine`).
     if torch.compiler.is_compiling():
         return torch.ops.expertcache.prepare_on_device(
             ids, pool.tables.buffer, list(pool.tensors.values()), pool.op_id, layer.index, pass_of, index
