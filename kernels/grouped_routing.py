@@ -109,9 +109,12 @@ def _place_kernel(
     tl.store(pair_ptr + block.to(tl.int64)[:, None] * BLOCK_M + members, padding, mask=pad)
 
 
-def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
+def sort_pairs_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, num_warps: int | None = None
+) -> GroupedRouting:
     """Group the (token, choice) pairs of ``topk_ids`` ``[T, K]`` (int32/int64) by id into
-    blocks of ``block_m`` rows (see the module docstring); at least one pair."""
+    blocks of ``block_m`` rows (see the module docstring); at least one pair. ``num_warps``:
+    the place kernel's (default `_NUM_WARPS`)."""
     ids = topk_ids.contiguous()
     num_pairs, device = ids.numel(), ids.device
     num_bins = triton.next_power_of_2(num_experts + 2)  # buckets 0..N and a spare bin
@@ -125,7 +128,7 @@ def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         prefix = torch.cumsum(counts, 1, dtype=torch.int32)
         _place_kernel[(num_chunks,)](
             ids, counts, prefix, pair_of_row, expert_of_block, num_pairs, num_experts, num_chunks, num_blocks,
-            BLOCK_M=block_m, CHUNK=chunk, NUM_BINS=num_bins, num_warps=_NUM_WARPS,
+            BLOCK_M=block_m, CHUNK=chunk, NUM_BINS=num_bins, num_warps=num_warps or _NUM_WARPS,
         )  # fmt: skip
     return GroupedRouting(pair_of_row, expert_of_block, block_m)
 

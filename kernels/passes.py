@@ -26,6 +26,8 @@ from expertcache.kernels.slot_tables import FIRST_SEEN_EMPTY, SlotTables
 from expertcache.passes import group_size
 
 _EMPTY = tl.constexpr(FIRST_SEEN_EMPTY)
+#: `assign_passes`' ids a step and warps.
+ASSIGN_BLOCK, ASSIGN_WARPS = 1024, 4
 
 
 @triton.jit
@@ -115,6 +117,8 @@ def assign_passes(
     num_global: int,
     key_offset: int,
     overlap: bool = False,
+    block_ids: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Write the pass of every position of ``topk_ids`` into ``out``.
 
@@ -126,6 +130,8 @@ def assign_passes(
             pass serves: other ranks' or invalid ones).
         num_global, key_offset: as in `expertcache.kernels.admission.admit`.
         overlap: group as overlapped passes (`expertcache.passes.group_size`).
+        block_ids, num_warps: the launch's ids a step (a power of two) and warps (default:
+            `ASSIGN_BLOCK`, `ASSIGN_WARPS`, measured in benchmarks/bench_routing_launches.py).
     """
     if not runs_on(topk_ids):
         raise RuntimeError("assign_passes needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
@@ -137,7 +143,8 @@ def assign_passes(
     _assign_passes_kernel[(1,)](
         topk_ids, global_to_local if has_map else topk_ids, tables.expert_to_slot, tables.first_seen, out,
         topk_ids.numel(), num_global, tables.share, oversize_group, key_offset,
-        BLOCK_IDS=min(1024, max(16, triton.next_power_of_2(topk_ids.numel()))), HAS_MAP=has_map, num_warps=4,
+        BLOCK_IDS=block_ids or min(ASSIGN_BLOCK, max(16, triton.next_power_of_2(topk_ids.numel()))),
+        HAS_MAP=has_map, num_warps=num_warps or ASSIGN_WARPS,
     )  # fmt: skip
 
 

@@ -1,0 +1,133 @@
+"""Launch settings of the one-program routing kernels: device admission, pass assignment, pair sort.
+
+These kernels run as one program (they walk a call in order: first appearances, LRU stamps,
+ranks), so their time is latency, not bandwidth: how many ids one step reads (``block``)
+and how many warps share it are the only knobs. Side by side in one process, each setting
+against the current default (ratio = time / default's time; there is no physical bound
+to compare with beyond the launch itself, a few microseconds):
+
+    admission, prefill    `assign_passes` + every pass's `admit` of one layer's call of T
+                          tokens from the real Qwen3-30B-A3B trace (K=8, 128 experts, 32 slots:
+                          25%), cold tables each replay; (block, warps) of both kernels
+    pair sort             `sort_pairs_by_expert` (the grouped apply's routing) of a decode
+                          call of B tokens over S slots; its place kernel's warps
+
+Each setting's results are checked against the default's (slot ids, tables, rows: exactly
+equal) before it is timed. Times: CUDA-graph replays of 16 calls, median.
+
+    python benchmarks/bench_routing_launches.py [--tokens 1024 4096] [--batch-sizes 8 16 32 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import append_csv, print_table, traces_dir  # noqa: E402
+from bench_decode import QWEN3_TRACE, qwen3_routing  # noqa: E402
+from bench_gemv_tiles import graphed_us  # noqa: E402
+
+from expertcache.kernels import admission  # noqa: E402
+from expertcache.kernels.admission import admit  # noqa: E402
+from expertcache.kernels.grouped_apply import default_tiles  # noqa: E402
+from expertcache.kernels.grouped_routing import _NUM_WARPS, sort_pairs_by_expert  # noqa: E402
+from expertcache.kernels.passes import assign_passes  # noqa: E402
+from expertcache.kernels.slot_tables import SlotTables  # noqa: E402
+from expertcache.passes import max_passes  # noqa: E402
+
+EXPERTS, TOP_K, PREFILL_SLOTS, CALLS = 128, 8, 32, 16
+BLOCKS, WARPS = (1024, 2048, 4096), (4, 8, 16)
+SORT_WARPS, SORT_SLOTS = (1, 2, 4, 8, 16), (32, 64, 128, 768)
+
+
+def trace_ids(tokens: int) -> np.ndarray:
+    """``[T, K]`` ids of the Qwen3-30B-A3B trace's first layer, tokens 0 .. T-1 (wrapping)."""
+    trace = qwen3_routing(traces_dir() / QWEN3_TRACE, 1)[:, 0]
+    return trace[np.arange(tokens) % trace.shape[0]].astype(np.int32)
+
+
+def admission_rows(tokens: int, device: torch.device) -> list[dict]:
+    ids = torch.from_numpy(trace_ids(tokens)).to(device).contiguous()
+    count = max_passes(ids.numel(), EXPERTS, PREFILL_SLOTS)
+    where = dict(num_global=EXPERTS, key_offset=0)
+
+    def run(tables: SlotTables, outs: list[torch.Tensor], pass_of: torch.Tensor, block: int, warps: int) -> None:
+        tables.buffer.copy_(fresh.buffer)  # cold, each replay alike
+        assign_passes(tables, ids, None, pass_of, block_ids=block, num_warps=warps, **where)
+        for index, out in enumerate(outs):
+            admit(tables, ids, None, out, layer=0, passes=pass_of, pass_index=index, block_ids=block,
+                  num_warps=warps, **where)  # fmt: skip
+
+    fresh = SlotTables.allocate(EXPERTS, PREFILL_SLOTS, 1, device)
+    default = (admission.LARGE_CALL_BLOCK, admission.LARGE_CALL_WARPS)
+    expected = None
+    rows, default_us = [], None
+    for block, warps in [default, *[s for s in itertools.product(BLOCKS, WARPS) if s != default]]:
+        tables = SlotTables.allocate(EXPERTS, PREFILL_SLOTS, 1, device)
+        outs = [torch.empty_like(ids) for _ in range(count)]
+        pass_of = torch.empty_like(ids)
+        run(tables, outs, pass_of, block, warps)
+        result = [tables.buffer.clone(), pass_of.clone(), *[out.clone() for out in outs]]
+        if expected is None:
+            expected = result
+        elif not all(torch.equal(a, b) for a, b in zip(result, expected, strict=True)):
+            raise AssertionError(f"admission with block {block}, {warps} warps differs from the default's")
+        us = graphed_us([functools.partial(run, tables, outs, pass_of, block, warps)] * CALLS)
+        default_us = default_us or us
+        rows.append({"kernel": "admission", "size": f"T={tokens}", "ids": ids.numel(), "slots": PREFILL_SLOTS,
+                     "passes": count, "block": block, "warps": warps, "us": us,
+                     "ratio_to_default": us / default_us})  # fmt: skip
+    return rows
+
+
+def sort_rows(batch: int, slots: int, device: torch.device) -> list[dict]:
+    generator = torch.Generator().manual_seed(batch * 1000 + slots)
+    calls = [torch.randint(-1, slots, (batch, TOP_K), generator=generator, dtype=torch.int32).to(device)
+             for _ in range(CALLS)]  # fmt: skip
+    block_m = default_tiles(batch * TOP_K, 2048, 768, True)[0]
+    rows, expected, default_us = [], None, None
+    for warps in [_NUM_WARPS, *[w for w in SORT_WARPS if w != _NUM_WARPS]]:
+        routing = sort_pairs_by_expert(calls[0], slots, block_m, num_warps=warps)
+        result = (routing.pair_of_row, routing.expert_of_block)
+        if expected is None:
+            expected = result
+        elif not all(torch.equal(a, b) for a, b in zip(result, expected, strict=True)):
+            raise AssertionError(f"the pair sort with {warps} warps differs from the default's")
+        sort = functools.partial(sort_pairs_by_expert, num_experts=slots, block_m=block_m, num_warps=warps)
+        us = graphed_us([functools.partial(sort, ids) for ids in calls])
+        default_us = default_us or us
+        rows.append({"kernel": "pair sort", "size": f"B={batch}", "ids": batch * TOP_K, "slots": slots,
+                     "block": block_m, "warps": warps, "us": us, "ratio_to_default": us / default_us})  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 128])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_routing_launches: error: needs a CUDA GPU (it times CUDA-graph replays)", file=sys.stderr)
+        return 2
+    if any(t <= admission.SMALL_CALL // TOP_K for t in args.tokens) or min(args.batch_sizes) < 1:
+        print(f"bench_routing_launches: error: --tokens must exceed {admission.SMALL_CALL // TOP_K} (the "
+              "large-call kernel) and batch sizes be >= 1", file=sys.stderr)  # fmt: skip
+        return 2
+    device = torch.device("cuda")
+    rows = [row for tokens in args.tokens for row in admission_rows(tokens, device)]
+    rows += [row for batch in args.batch_sizes for slots in SORT_SLOTS for row in sort_rows(batch, slots, device)]
+    print(f"{torch.cuda.get_device_name()}: graphed, {CALLS} calls, median us a call; ratio to the default setting")
+    print_table(rows, ["kernel", "size", "ids", "slots", "passes", "block", "warps", "us", "ratio_to_default"])
+    print("CSV:", append_csv("bench_routing_launches", rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
