@@ -35,6 +35,7 @@ from bench_decode import QWEN3_TRACE, qwen3_routing  # noqa: E402
 from bench_gemv_tiles import graphed_us  # noqa: E402
 
 from expertcache.kernels import admission  # noqa: E402
+from expertcache.kernels._launch import walk_launch  # noqa: E402
 from expertcache.kernels.admission import admit  # noqa: E402
 from expertcache.kernels.grouped_apply import default_tiles  # noqa: E402
 from expertcache.kernels.grouped_routing import _NUM_WARPS, sort_pairs_by_expert  # noqa: E402
@@ -44,7 +45,15 @@ from expertcache.passes import max_passes  # noqa: E402
 
 EXPERTS, TOP_K, PREFILL_SLOTS, CALLS = 128, 8, 32, 16
 BLOCKS, WARPS = (1024, 2048, 4096), (4, 8, 16)
-SORT_WARPS, SORT_SLOTS = (1, 2, 4, 8, 16), (32, 64, 128, 768)
+SORT_WARPS, SORT_SLOTS = (2, 4, 8, 16), (32, 64, 768)
+COLUMNS = ["kernel", "size", "ids", "slots", "passes", "block", "warps", "us", "ratio_to_default"]
+
+
+def shown(row: dict) -> dict:
+    """Print ``row`` as soon as it is measured (compiling every setting takes a while)."""
+    print("  ".join(f"{key}={row[key]:.3g}" if isinstance(row[key], float) else f"{key}={row[key]}"
+                    for key in COLUMNS if key in row), flush=True)  # fmt: skip
+    return row
 
 
 def trace_ids(tokens: int) -> np.ndarray:
@@ -66,7 +75,7 @@ def admission_rows(tokens: int, device: torch.device) -> list[dict]:
                   num_warps=warps, **where)  # fmt: skip
 
     fresh = SlotTables.allocate(EXPERTS, PREFILL_SLOTS, 1, device)
-    default = (admission.LARGE_CALL_BLOCK, admission.LARGE_CALL_WARPS)
+    default = walk_launch(ids.numel())
     expected = None
     rows, default_us = [], None
     for block, warps in [default, *[s for s in itertools.product(BLOCKS, WARPS) if s != default]]:
@@ -81,9 +90,9 @@ def admission_rows(tokens: int, device: torch.device) -> list[dict]:
             raise AssertionError(f"admission with block {block}, {warps} warps differs from the default's")
         us = graphed_us([functools.partial(run, tables, outs, pass_of, block, warps)] * CALLS)
         default_us = default_us or us
-        rows.append({"kernel": "admission", "size": f"T={tokens}", "ids": ids.numel(), "slots": PREFILL_SLOTS,
+        rows.append(shown({"kernel": "admission", "size": f"T={tokens}", "ids": ids.numel(), "slots": PREFILL_SLOTS,
                      "passes": count, "block": block, "warps": warps, "us": us,
-                     "ratio_to_default": us / default_us})  # fmt: skip
+                     "ratio_to_default": us / default_us}))  # fmt: skip
     return rows
 
 
@@ -103,15 +112,15 @@ def sort_rows(batch: int, slots: int, device: torch.device) -> list[dict]:
         sort = functools.partial(sort_pairs_by_expert, num_experts=slots, block_m=block_m, num_warps=warps)
         us = graphed_us([functools.partial(sort, ids) for ids in calls])
         default_us = default_us or us
-        rows.append({"kernel": "pair sort", "size": f"B={batch}", "ids": batch * TOP_K, "slots": slots,
-                     "block": block_m, "warps": warps, "us": us, "ratio_to_default": us / default_us})  # fmt: skip
+        rows.append(shown({"kernel": "pair sort", "size": f"B={batch}", "ids": batch * TOP_K, "slots": slots,
+                     "block": block_m, "warps": warps, "us": us, "ratio_to_default": us / default_us}))  # fmt: skip
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 128])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 128])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_routing_launches: error: needs a CUDA GPU (it times CUDA-graph replays)", file=sys.stderr)
@@ -120,12 +129,17 @@ def main() -> int:
         print(f"bench_routing_launches: error: --tokens must exceed {admission.SMALL_CALL // TOP_K} (the "
               "large-call kernel) and batch sizes be >= 1", file=sys.stderr)  # fmt: skip
         return 2
-    device = torch.device("cuda")
-    rows = [row for tokens in args.tokens for row in admission_rows(tokens, device)]
-    rows += [row for batch in args.batch_sizes for slots in SORT_SLOTS for row in sort_rows(batch, slots, device)]
+    device, rows = torch.device("cuda"), []
     print(f"{torch.cuda.get_device_name()}: graphed, {CALLS} calls, median us a call; ratio to the default setting")
-    print_table(rows, ["kernel", "size", "ids", "slots", "passes", "block", "warps", "us", "ratio_to_default"])
-    print("CSV:", append_csv("bench_routing_launches", rows))
+    try:  # a run cut short keeps what it measured
+        for tokens in args.tokens:
+            rows += admission_rows(tokens, device)
+        for batch, slots in itertools.product(args.batch_sizes, SORT_SLOTS):
+            rows += sort_rows(batch, slots, device)
+    finally:
+        if rows:
+            print_table(rows, COLUMNS)
+            print("CSV:", append_csv("bench_routing_launches", rows))
     return 0
 
 

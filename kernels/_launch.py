@@ -106,3 +106,18 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` current for the launches inside (Triton launches on the current GPU
     and its current stream); a no-op for the CPU."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+#: A one-program walk over a call's ids (admission, pass assignment) reads up to this many
+#: ids a step, ``IDS_PER_THREAD`` a thread (benchmarks/bench_routing_launches.py, run 55).
+WALK_BLOCK, IDS_PER_THREAD = 4096, 8
+
+
+def walk_launch(num_ids: int, block_ids: int | None = None, num_warps: int | None = None) -> tuple[int, int]:
+    """``(BLOCK_IDS, num_warps)`` of a one-program walk over ``num_ids`` ids: a power of two of
+    at least 16 ids a step (given, or the call rounded up, at most `WALK_BLOCK`) and 4 to 16
+    warps, `IDS_PER_THREAD` a thread unless given. Raises ValueError for a bad ``block_ids``."""
+    if block_ids is not None and (block_ids < 16 or block_ids & (block_ids - 1)):
+        raise ValueError(f"block_ids must be a power of two >= 16, got {block_ids}")
+    block = block_ids or min(WALK_BLOCK, max(16, triton.next_power_of_2(num_ids)))
+    return block, num_warps or max(4, min(16, block // (32 * IDS_PER_THREAD)))

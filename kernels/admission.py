@@ -28,14 +28,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from expertcache.kernels._launch import chains_launches, runs_on
+from expertcache.kernels._launch import chains_launches, runs_on, walk_launch
 from expertcache.kernels.admission_kernels import _admit_kernel, _admit_small_kernel
 from expertcache.kernels.slot_tables import SlotTables
 
 #: Largest call (T * K ids) served by the register kernel.
 SMALL_CALL = 64
-#: The large-call kernel's ids a step and warps (benchmarks/bench_routing_launches.py).
-LARGE_CALL_BLOCK, LARGE_CALL_WARPS = 1024, 4
 
 
 def admit(
@@ -76,8 +74,8 @@ def admit(
         key_layer: ``[num_keys]`` int32, the layer of every key, for a pool of several layers:
             misses then respect the other layers' shares (``tables.share``); None: one layer.
         num_warps: of the launch (default: measured best for the kernel).
-        block_ids: ids the large-call kernel reads at a time, a power of two (default:
-            measured best, `LARGE_CALL_BLOCK`); the small-call kernel holds the whole call.
+        block_ids: ids the large-call kernel reads a step, a power of two (default:
+            `expertcache.kernels._launch.walk_launch`); the small-call kernel holds the whole call.
     """
     if not runs_on(topk_ids):
         raise RuntimeError("device admission needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
@@ -114,14 +112,12 @@ def admit(
             BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=num_warps or 4, **common,
         )  # fmt: skip
     else:
-        if block_ids is not None and (block_ids < 16 or block_ids & (block_ids - 1)):
-            raise ValueError(f"block_ids must be a power of two >= 16, got {block_ids}")
+        block, warps = walk_launch(num_ids, block_ids, num_warps)
         _admit_kernel[(1,)](
             topk_ids, mapping, out, miss_out, *state, tables.first_seen, tables.plan, tables.miss_stamp,
             tables.counters, layers, pass_of, num_ids, num_global, num_slots, key_offset, layer, tables.share,
             pass_index,
-            BLOCK_IDS=block_ids or min(LARGE_CALL_BLOCK, triton.next_power_of_2(num_ids)),
-            num_warps=num_warps or (LARGE_CALL_WARPS if block_slots <= 1024 else max(8, LARGE_CALL_WARPS)), **common,
+            BLOCK_IDS=block, num_warps=warps if num_warps or block_slots <= 1024 else max(8, warps), **common,
         )  # fmt: skip
 
 

@@ -20,14 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from expertcache.kernels._launch import runs_on
+from expertcache.kernels._launch import runs_on, walk_launch
 from expertcache.kernels.remap import lookup_slots
 from expertcache.kernels.slot_tables import FIRST_SEEN_EMPTY, SlotTables
 from expertcache.passes import group_size
 
 _EMPTY = tl.constexpr(FIRST_SEEN_EMPTY)
-#: `assign_passes`' ids a step and warps.
-ASSIGN_BLOCK, ASSIGN_WARPS = 1024, 4
 
 
 @triton.jit
@@ -131,7 +129,7 @@ def assign_passes(
         num_global, key_offset: as in `expertcache.kernels.admission.admit`.
         overlap: group as overlapped passes (`expertcache.passes.group_size`).
         block_ids, num_warps: the launch's ids a step (a power of two) and warps (default:
-            `ASSIGN_BLOCK`, `ASSIGN_WARPS`, measured in benchmarks/bench_routing_launches.py).
+            `expertcache.kernels._launch.walk_launch`).
     """
     if not runs_on(topk_ids):
         raise RuntimeError("assign_passes needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
@@ -139,12 +137,12 @@ def assign_passes(
     if out.dtype != torch.int32 or out.shape != topk_ids.shape or not contiguous:
         raise ValueError("out must be a contiguous int32 tensor shaped like the contiguous topk_ids")
     has_map = global_to_local is not None
+    block, warps = walk_launch(topk_ids.numel(), block_ids, num_warps)
     oversize_group = group_size(tables.share + 1, tables.share, overlap=overlap)  # of a call that does not fit
     _assign_passes_kernel[(1,)](
         topk_ids, global_to_local if has_map else topk_ids, tables.expert_to_slot, tables.first_seen, out,
         topk_ids.numel(), num_global, tables.share, oversize_group, key_offset,
-        BLOCK_IDS=block_ids or min(ASSIGN_BLOCK, max(16, triton.next_power_of_2(topk_ids.numel()))),
-        HAS_MAP=has_map, num_warps=num_warps or ASSIGN_WARPS,
+        BLOCK_IDS=block, HAS_MAP=has_map, num_warps=warps,
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from expertcache.kernels import moe_apply, moe_apply_torch
 from expertcache.kernels.admission import admit, admit_torch
 from expertcache.kernels.commit import commit_plan, commit_plan_torch
 from expertcache.kernels.copy_experts import CopyPlan, build_segments, copy_experts, copy_experts_torch
+from expertcache.kernels.passes import assign_passes, assign_passes_torch
 from expertcache.kernels.slot_tables import SlotTables
 from expertcache.layout import ExpertLayout, ExpertTensorSpec
 
@@ -98,6 +99,49 @@ def test_an_overflowing_call_changes_nothing(device):
         assert torch.equal(tables.counters[0, :5], old.counters[0, :5])  # only the overflow counter moved
         assert int(tables.counters[0, 5]) == int(old.counters[0, 5]) + 1
         before = tables.buffer.clone()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("block_ids", [16, 64, 1024])
+def test_the_one_program_walks_equal_the_reference_at_any_step(device, block_ids):
+    """Pass assignment and the large admission kernel read a call ``block_ids`` ids a step: a
+    call of 13 steps (200 ids, 11 experts, 4 slots: 3 passes; the last pass's hits and misses
+    apart) gives the reference's passes, slot ids and tables whatever the step."""
+    gen = torch.Generator().manual_seed(block_ids)
+    num_experts, num_slots = 11, 4
+    kernel, reference = (SlotTables.allocate(num_experts, num_slots, 1, torch.device(device)) for _ in range(2))
+    ids = torch.randint(0, num_experts, (50, 4), generator=gen).to(device)
+    where = dict(num_global=num_experts, key_offset=0)
+    passes = [torch.full(ids.shape, -7, dtype=torch.int32, device=device) for _ in range(2)]
+    assign_passes(kernel, ids, None, passes[0], block_ids=block_ids, **where)
+    assign_passes_torch(reference, ids, None, passes[1], **where)
+    assert torch.equal(passes[0], passes[1]) and int(passes[0].max()) == 2
+    for index in range(3):
+        split = index == 2
+        outs = [torch.full_like(ids, -7) for _ in range(2)]
+        misses = [torch.full_like(ids, -7) for _ in range(2)] if split else [None, None]
+        kwargs = dict(layer=0, passes=passes[0], pass_index=index, **where)
+        admit(kernel, ids, None, outs[0], miss_out=misses[0], block_ids=block_ids, **kwargs)
+        admit_torch(reference, ids, None, outs[1], miss_out=misses[1], **kwargs)
+        assert torch.equal(outs[0], outs[1]), index
+        if split:
+            assert torch.equal(misses[0], misses[1])
+        _same_tables(kernel, reference)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("block_ids", [0, 8, 100])
+def test_a_bad_step_is_refused_before_anything_changes(device, block_ids):
+    tables = SlotTables.allocate(8, 4, 1, torch.device(device))
+    ids = torch.arange(80, device=device).reshape(40, 2) % 8
+    before = tables.buffer.clone()
+    out = torch.full_like(ids, -7)
+    passes = torch.full(ids.shape, -7, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="block_ids must be a power of two >= 16"):
+        admit(tables, ids, None, out, num_global=8, key_offset=0, layer=0, block_ids=block_ids)
+    with pytest.raises(ValueError, match="block_ids must be a power of two >= 16"):
+        assign_passes(tables, ids, None, passes, num_global=8, key_offset=0, block_ids=block_ids)
+    assert torch.equal(tables.buffer, before) and bool((out == -7).all()) and bool((passes == -7).all())
 
 
 @pytest.mark.parametrize("device", devices())
