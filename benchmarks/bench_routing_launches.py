@@ -38,7 +38,7 @@ from expertcache.kernels import admission  # noqa: E402
 from expertcache.kernels._launch import walk_launch  # noqa: E402
 from expertcache.kernels.admission import admit  # noqa: E402
 from expertcache.kernels.grouped_apply import default_tiles  # noqa: E402
-from expertcache.kernels.grouped_routing import _NUM_WARPS, sort_pairs_by_expert  # noqa: E402
+from expertcache.kernels.grouped_routing import sort_pairs_by_expert  # noqa: E402
 from expertcache.kernels.passes import assign_passes  # noqa: E402
 from expertcache.kernels.slot_tables import SlotTables  # noqa: E402
 from expertcache.passes import max_passes  # noqa: E402
@@ -102,7 +102,7 @@ def sort_rows(batch: int, slots: int, device: torch.device) -> list[dict]:
              for _ in range(CALLS)]  # fmt: skip
     block_m = default_tiles(batch * TOP_K, 2048, 768, True)[0]
     rows, expected, default_us = [], None, None
-    for warps in [_NUM_WARPS, *[w for w in SORT_WARPS if w != _NUM_WARPS]]:
+    for warps in [None, *SORT_WARPS]:  # None: the default
         routing = sort_pairs_by_expert(calls[0], slots, block_m, num_warps=warps)
         result = (routing.pair_of_row, routing.expert_of_block)
         if expected is None:
@@ -113,7 +113,8 @@ def sort_rows(batch: int, slots: int, device: torch.device) -> list[dict]:
         us = graphed_us([functools.partial(sort, ids) for ids in calls])
         default_us = default_us or us
         rows.append(shown({"kernel": "pair sort", "size": f"B={batch}", "ids": batch * TOP_K, "slots": slots,
-                     "block": block_m, "warps": warps, "us": us, "ratio_to_default": us / default_us}))  # fmt: skip
+                     "block": block_m, "warps": warps or "default", "us": us,
+                     "ratio_to_default": us / default_us}))  # fmt: skip
     return rows
 
 
@@ -121,6 +122,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 128])
+    parser.add_argument("--kernels", nargs="+", choices=("admission", "sort"), default=["admission", "sort"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_routing_launches: error: needs a CUDA GPU (it times CUDA-graph replays)", file=sys.stderr)
@@ -132,9 +134,9 @@ def main() -> int:
     device, rows = torch.device("cuda"), []
     print(f"{torch.cuda.get_device_name()}: graphed, {CALLS} calls, median us a call; ratio to the default setting")
     try:  # a run cut short keeps what it measured
-        for tokens in args.tokens:
+        for tokens in args.tokens if "admission" in args.kernels else []:
             rows += admission_rows(tokens, device)
-        for batch, slots in itertools.product(args.batch_sizes, SORT_SLOTS):
+        for batch, slots in itertools.product(args.batch_sizes, SORT_SLOTS) if "sort" in args.kernels else []:
             rows += sort_rows(batch, slots, device)
     finally:
         if rows:
