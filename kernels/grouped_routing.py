@@ -27,9 +27,10 @@ import triton.language as tl
 from expertcache.kernels._launch import on_device
 
 #: Elements of the place kernel's ``[CHUNK, NUM_BINS]`` tiles (CHUNK pairs per program), and its
-#: warps: 8 at 128 bins (48-126 slots: 0.76-0.85 of 4 warps' time, 32-768 slots neutral; run 55 of
-#: benchmarks/bench_routing_launches.py), else 4.
-_TILE_ELEMENTS, _NUM_WARPS, _NUM_WARPS_AT_128_BINS = 16384, 4, 8
+#: warps. (Run 55 of benchmarks/bench_routing_launches.py: 8 warps took 0.76-0.85 of this time at
+#: 64 slots (128 bins) and were neutral at 32 and 768 slots; not yet the default: no whole GPU
+#: suite has run with it.)
+_TILE_ELEMENTS, _NUM_WARPS = 16384, 4
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,7 @@ def sort_pairs_by_expert(
         prefix = torch.cumsum(counts, 1, dtype=torch.int32)
         _place_kernel[(num_chunks,)](
             ids, counts, prefix, pair_of_row, expert_of_block, num_pairs, num_experts, num_chunks, num_blocks,
-            BLOCK_M=block_m, CHUNK=chunk, NUM_BINS=num_bins,
-            num_warps=num_warps or (_NUM_WARPS_AT_128_BINS if num_bins == 128 else _NUM_WARPS),
+            BLOCK_M=block_m, CHUNK=chunk, NUM_BINS=num_bins, num_warps=num_warps or _NUM_WARPS,
         )  # fmt: skip
     return GroupedRouting(pair_of_row, expert_of_block, block_m)
 
