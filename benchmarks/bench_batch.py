@@ -714,7 +714,17 @@ def parse_args() -> argparse.Namespace:
         help="default: device pools' copy streams at the default priority, not above the apply's (an ablation)",
     )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, interpreted kernels")
+    parser.add_argument(
+        "--replot",
+        nargs="+",
+        metavar="COMMIT",
+        help="no measurement: draw bench_batch.png from results/bench_batch.csv's rows of these commits (the "
+        "newest row of each variant, cache and batch size) at --fractions",
+    )
     args = parser.parse_args()
+    flags = {arg.split("=")[0] for arg in sys.argv[1:] if arg.startswith("--")}
+    if args.replot and flags - {"--replot", "--fractions"}:
+        parser.error("--replot draws the CSV's rows: it takes only --fractions")
     if args.only and args.prefill:
         parser.error("--only picks decode variants; a prefill run has its own fixed set")
 
@@ -770,8 +780,31 @@ def build_bench(args) -> tuple[Bench, list[dict]]:
     return bench, resident
 
 
+def replot(commits: list[str], fractions: list[float]) -> Path | None:
+    """`plot` of the CSV's rows of ``commits`` (the newest row of each variant, cache and batch)."""
+    import csv
+
+    path = _common.RESULTS / "bench_batch.csv"
+    newest: dict[tuple, dict] = {}
+    with path.open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            if row["commit"] in commits and row.get("tok_per_s") and not row.get("error"):
+                newest[(row["variant"], row["cache"], int(row["batch"]))] = row
+    if not newest:
+        print(f"bench_batch: error: {path} has no decode rows of commit {' '.join(commits)}", file=sys.stderr)
+        sys.exit(2)
+    rows = [{**row, "batch": batch, "tok_per_s": float(row["tok_per_s"])} for (_, _, batch), row in newest.items()]
+    first = rows[0]
+    title = (f"{first['shape']} decode, {first['layers']} layers\n{first['apply']}, {first['gpu']} "
+             f"(commits {', '.join(commits)})")  # fmt: skip
+    return plot(rows, fractions, _common.RESULTS / "bench_batch.png", title)
+
+
 def main() -> None:
     args = parse_args()
+    if args.replot:
+        print(f"plot: {replot(args.replot, args.fractions)}")
+        return
     if args.dry_run:  # nothing of a CPU check lands among the results
         _common.RESULTS = Path(tempfile.mkdtemp(prefix="bench_batch_dry_"))
     start = time.perf_counter()

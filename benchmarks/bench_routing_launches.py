@@ -118,18 +118,25 @@ def sort_rows(batch: int, slots: int, device: torch.device) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (a bad one: one line on stderr, exit status 2)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 128])
     parser.add_argument("--kernels", nargs="+", choices=("admission", "sort"), default=["admission", "sort"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if min(args.tokens) <= admission.SMALL_CALL // TOP_K:
+        parser.exit(2, f"bench_routing_launches: error: --tokens must exceed {admission.SMALL_CALL // TOP_K} "
+                       "(calls the large-call kernel serves)\n")  # fmt: skip
+    if min(args.batch_sizes) < 1:
+        parser.exit(2, "bench_routing_launches: error: --batch-sizes must be >= 1\n")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     if not torch.cuda.is_available():
         print("bench_routing_launches: error: needs a CUDA GPU (it times CUDA-graph replays)", file=sys.stderr)
-        return 2
-    if any(t <= admission.SMALL_CALL // TOP_K for t in args.tokens) or min(args.batch_sizes) < 1:
-        print(f"bench_routing_launches: error: --tokens must exceed {admission.SMALL_CALL // TOP_K} (the "
-              "large-call kernel) and batch sizes be >= 1", file=sys.stderr)  # fmt: skip
         return 2
     device, rows = torch.device("cuda"), []
     print(f"{torch.cuda.get_device_name()}: graphed, {CALLS} calls, median us a call; ratio to the default setting")

@@ -1,4 +1,4 @@
-"""benchmarks/bench_batch.py and bench_copy_service.py: flags, plans, and the floor variant.
+"""benchmarks/bench_batch.py, bench_copy_service.py, bench_routing_launches.py: flags, plans, the floor variant.
 
 ``device copies only`` (the floor of any apply) must run the same admissions and copies as
 the cached step it is the floor of; the dry run (tiny shapes, CPU, interpreted, the real
@@ -30,6 +30,9 @@ from helpers import BENCHMARKS, bench_module, traces_env
         ("bench_copy_service", ["--misses", "0"], "--misses must lie in 1..64"),
         ("bench_copy_service", ["--misses", "65"], "--misses must lie in 1..64"),  # more than the slots
         ("bench_copy_service", ["--layers", "0"], "--layers and --repeats >= 1"),
+        ("bench_routing_launches", ["--tokens", "1024", "8"], "--tokens must exceed 8"),  # the register kernel's
+        ("bench_routing_launches", ["--batch-sizes", "0"], "--batch-sizes must be >= 1"),
+        ("bench_routing_launches", ["--kernels", "gemm"], "--kernels: invalid choice"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(module, flags, message, monkeypatch, capsys):
@@ -37,7 +40,7 @@ def test_bad_flags_exit_2_with_one_line(module, flags, message, monkeypatch, cap
     bench = bench_module(module)
     monkeypatch.setattr(sys, "argv", [f"{module}.py", *flags])
     with pytest.raises(SystemExit) as exit_info:
-        bench.parse_args() if module == "bench_batch" else bench.main()
+        bench.parse_args() if module != "bench_copy_service" else bench.main()
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert message in lines[-1] and not any("Traceback" in line for line in lines)
