@@ -718,12 +718,14 @@ def parse_args() -> argparse.Namespace:
         "--replot",
         nargs="+",
         metavar="COMMIT",
-        help="no measurement: draw bench_batch.png from results/bench_batch.csv's rows of these commits (the "
-        "newest row of each variant, cache and batch size) at --fractions",
+        help="no measurement: draw bench_batch.png from results/bench_batch.csv's rows of these commits at the "
+        "default --overlap/--chain/--copy-priority (the newest row of each variant, cache and batch size) at "
+        "--fractions",
     )
     args = parser.parse_args()
-    flags = {arg.split("=")[0] for arg in sys.argv[1:] if arg.startswith("--")}
-    if args.replot and flags - {"--replot", "--fractions"}:
+    defaults = vars(parser.parse_args([]))  # a flag given at its default value changes nothing either
+    changed = {name for name, value in vars(args).items() if value != defaults[name]}
+    if args.replot and changed - {"replot", "fractions"}:
         parser.error("--replot draws the CSV's rows: it takes only --fractions")
     if args.only and args.prefill:
         parser.error("--only picks decode variants; a prefill run has its own fixed set")
@@ -780,20 +782,35 @@ def build_bench(args) -> tuple[Bench, list[dict]]:
     return bench, resident
 
 
-def replot(commits: list[str], fractions: list[float]) -> Path | None:
-    """`plot` of the CSV's rows of ``commits`` (the newest row of each variant, cache and batch)."""
+#: The settings (--overlap, --chain, --copy-priority) whose rows `replot` draws: the defaults, not ablations.
+PLOTTED = ("on", "on", "high")
+
+
+def replot_rows(commits: list[str]) -> list[dict]:
+    """The CSV's decode rows of ``commits`` run at the default settings (not an ablation's):
+    the newest row of each variant, cache and batch size, ``batch`` and ``tok_per_s`` as
+    numbers. Exits with status 2 and one line when there is no CSV or no such row."""
     import csv
 
     path = _common.RESULTS / "bench_batch.csv"
+    if not path.is_file():
+        print(f"bench_batch: error: no {path} to replot", file=sys.stderr)
+        sys.exit(2)
     newest: dict[tuple, dict] = {}
     with path.open(newline="") as handle:
         for row in csv.DictReader(handle):
-            if row["commit"] in commits and row.get("tok_per_s") and not row.get("error"):
+            ablation = (row.get("overlap") or "on", row.get("chain") or "on", row.get("copy_priority") or "high")
+            if row["commit"] in commits and row.get("tok_per_s") and not row.get("error") and ablation == PLOTTED:
                 newest[(row["variant"], row["cache"], int(row["batch"]))] = row
     if not newest:
         print(f"bench_batch: error: {path} has no decode rows of commit {' '.join(commits)}", file=sys.stderr)
         sys.exit(2)
-    rows = [{**row, "batch": batch, "tok_per_s": float(row["tok_per_s"])} for (_, _, batch), row in newest.items()]
+    return [{**row, "batch": batch, "tok_per_s": float(row["tok_per_s"])} for (_, _, batch), row in newest.items()]
+
+
+def replot(commits: list[str], fractions: list[float]) -> Path | None:
+    """`plot` of `replot_rows` into results/bench_batch.png."""
+    rows = replot_rows(commits)
     first = rows[0]
     title = (f"{first['shape']} decode, {first['layers']} layers\n{first['apply']}, {first['gpu']} "
              f"(commits {', '.join(commits)})")  # fmt: skip

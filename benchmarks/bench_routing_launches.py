@@ -24,6 +24,7 @@ import argparse
 import functools
 import itertools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ from expertcache.kernels import admission  # noqa: E402
 from expertcache.kernels._launch import walk_launch  # noqa: E402
 from expertcache.kernels.admission import admit  # noqa: E402
 from expertcache.kernels.grouped_apply import default_tiles  # noqa: E402
-from expertcache.kernels.grouped_routing import sort_pairs_by_expert  # noqa: E402
+from expertcache.kernels.grouped_routing import _NUM_WARPS, sort_pairs_by_expert  # noqa: E402
 from expertcache.kernels.passes import assign_passes  # noqa: E402
 from expertcache.kernels.slot_tables import SlotTables  # noqa: E402
 from expertcache.passes import max_passes  # noqa: E402
@@ -46,7 +47,7 @@ from expertcache.passes import max_passes  # noqa: E402
 EXPERTS, TOP_K, PREFILL_SLOTS, CALLS = 128, 8, 32, 16
 BLOCKS, WARPS = (1024, 2048, 4096), (4, 8, 16)
 SORT_WARPS, SORT_SLOTS = (2, 4, 8, 16), (32, 64, 768)
-COLUMNS = ["kernel", "size", "ids", "slots", "passes", "block", "warps", "us", "ratio_to_default"]
+COLUMNS = ["kernel", "size", "ids", "slots", "passes", "block", "warps", "default", "us", "ratio_to_default"]
 
 
 def shown(row: dict) -> dict:
@@ -62,60 +63,68 @@ def trace_ids(tokens: int) -> np.ndarray:
     return trace[np.arange(tokens) % trace.shape[0]].astype(np.int32)
 
 
+def compared(row: dict, settings: list[dict], outputs: Callable, calls: Callable) -> list[dict]:
+    """``row`` at each of ``settings`` (the first is the default): ``outputs(setting)`` checked
+    equal to the default's, then ``calls(setting)`` (thunks) timed in one CUDA graph."""
+    rows, expected, default_us = [], None, None
+    for setting in settings:
+        result = outputs(setting)
+        if expected is None:
+            expected = result
+        elif not all(torch.equal(a, b) for a, b in zip(result, expected, strict=True)):
+            raise AssertionError(f"{row['kernel']} at {row['size']} with {setting} differs from the default's")
+        us = graphed_us(calls(setting))
+        default_us = default_us or us
+        rows.append(shown({**row, **setting, "default": not rows, "us": us, "ratio_to_default": us / default_us}))
+    return rows
+
+
 def admission_rows(tokens: int, device: torch.device) -> list[dict]:
+    """`assign_passes` and every pass's `admit` of one layer's prefill call, from cold tables
+    (the reset, a device copy of the state, is part of each timed call)."""
     ids = torch.from_numpy(trace_ids(tokens)).to(device).contiguous()
     count = max_passes(ids.numel(), EXPERTS, PREFILL_SLOTS)
     where = dict(num_global=EXPERTS, key_offset=0)
+    fresh = SlotTables.allocate(EXPERTS, PREFILL_SLOTS, 1, device)
+    tables = SlotTables.allocate(EXPERTS, PREFILL_SLOTS, 1, device)
+    outs, pass_of = [torch.empty_like(ids) for _ in range(count)], torch.empty_like(ids)
 
-    def run(tables: SlotTables, outs: list[torch.Tensor], pass_of: torch.Tensor, block: int, warps: int) -> None:
+    def run(block: int, warps: int) -> None:
         tables.buffer.copy_(fresh.buffer)  # cold, each replay alike
         assign_passes(tables, ids, None, pass_of, block_ids=block, num_warps=warps, **where)
         for index, out in enumerate(outs):
             admit(tables, ids, None, out, layer=0, passes=pass_of, pass_index=index, block_ids=block,
                   num_warps=warps, **where)  # fmt: skip
 
-    fresh = SlotTables.allocate(EXPERTS, PREFILL_SLOTS, 1, device)
+    def outputs(setting: dict) -> list[torch.Tensor]:
+        run(**setting)
+        return [tables.buffer.clone(), pass_of.clone(), *[out.clone() for out in outs]]
+
     default = walk_launch(ids.numel())
-    expected = None
-    rows, default_us = [], None
-    for block, warps in [default, *[s for s in itertools.product(BLOCKS, WARPS) if s != default]]:
-        tables = SlotTables.allocate(EXPERTS, PREFILL_SLOTS, 1, device)
-        outs = [torch.empty_like(ids) for _ in range(count)]
-        pass_of = torch.empty_like(ids)
-        run(tables, outs, pass_of, block, warps)
-        result = [tables.buffer.clone(), pass_of.clone(), *[out.clone() for out in outs]]
-        if expected is None:
-            expected = result
-        elif not all(torch.equal(a, b) for a, b in zip(result, expected, strict=True)):
-            raise AssertionError(f"admission with block {block}, {warps} warps differs from the default's")
-        us = graphed_us([functools.partial(run, tables, outs, pass_of, block, warps)] * CALLS)
-        default_us = default_us or us
-        rows.append(shown({"kernel": "admission", "size": f"T={tokens}", "ids": ids.numel(), "slots": PREFILL_SLOTS,
-                     "passes": count, "block": block, "warps": warps, "us": us,
-                     "ratio_to_default": us / default_us}))  # fmt: skip
-    return rows
+    settings = [default, *[s for s in itertools.product(BLOCKS, WARPS) if s != default]]
+    row = {"kernel": "admission", "size": f"T={tokens}", "ids": ids.numel(), "slots": PREFILL_SLOTS, "passes": count}
+    return compared(row, [{"block": b, "warps": w} for b, w in settings], outputs,
+                    lambda setting: [functools.partial(run, **setting)] * CALLS)  # fmt: skip
 
 
 def sort_rows(batch: int, slots: int, device: torch.device) -> list[dict]:
+    """`sort_pairs_by_expert` of 16 random decode calls (ids -1 .. slots - 1) at each warp count."""
     generator = torch.Generator().manual_seed(batch * 1000 + slots)
     calls = [torch.randint(-1, slots, (batch, TOP_K), generator=generator, dtype=torch.int32).to(device)
              for _ in range(CALLS)]  # fmt: skip
     block_m = default_tiles(batch * TOP_K, 2048, 768, True)[0]
-    rows, expected, default_us = [], None, None
-    for warps in [None, *SORT_WARPS]:  # None: the default
-        routing = sort_pairs_by_expert(calls[0], slots, block_m, num_warps=warps)
-        result = (routing.pair_of_row, routing.expert_of_block)
-        if expected is None:
-            expected = result
-        elif not all(torch.equal(a, b) for a, b in zip(result, expected, strict=True)):
-            raise AssertionError(f"the pair sort with {warps} warps differs from the default's")
-        sort = functools.partial(sort_pairs_by_expert, num_experts=slots, block_m=block_m, num_warps=warps)
-        us = graphed_us([functools.partial(sort, ids) for ids in calls])
-        default_us = default_us or us
-        rows.append(shown({"kernel": "pair sort", "size": f"B={batch}", "ids": batch * TOP_K, "slots": slots,
-                     "block": block_m, "warps": warps or "default", "us": us,
-                     "ratio_to_default": us / default_us}))  # fmt: skip
-    return rows
+
+    def sort(ids: torch.Tensor, warps: int):
+        return sort_pairs_by_expert(ids, slots, block_m, num_warps=warps)
+
+    def outputs(setting: dict) -> list[torch.Tensor]:
+        routings = [sort(ids, setting["warps"]) for ids in calls]
+        return [t for routing in routings for t in (routing.pair_of_row, routing.expert_of_block)]
+
+    settings = [{"warps": w} for w in [_NUM_WARPS, *[w for w in SORT_WARPS if w != _NUM_WARPS]]]
+    row = {"kernel": "pair sort", "size": f"B={batch}", "ids": batch * TOP_K, "slots": slots, "block": block_m}
+    return compared(row, settings, outputs,
+                    lambda setting: [functools.partial(sort, ids, setting["warps"]) for ids in calls])  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,4 +1,5 @@
-"""Shared launcher helpers: where a Triton kernel can run, and launching on the right GPU."""
+"""Shared launcher helpers: where a Triton kernel can run, launching on the right GPU, and the
+launch shape of the one-program walks over a call's ids (`walk_launch`)."""
 
 from __future__ import annotations
 
@@ -113,11 +114,19 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 WALK_BLOCK, IDS_PER_THREAD = 4096, 8
 
 
-def walk_launch(num_ids: int, block_ids: int | None = None, num_warps: int | None = None) -> tuple[int, int]:
-    """``(BLOCK_IDS, num_warps)`` of a one-program walk over ``num_ids`` ids: a power of two of
-    at least 16 ids a step (given, or the call rounded up, at most `WALK_BLOCK`) and 4 to 16
-    warps, `IDS_PER_THREAD` a thread unless given. Raises ValueError for a bad ``block_ids``."""
-    if block_ids is not None and (block_ids < 16 or block_ids & (block_ids - 1)):
-        raise ValueError(f"block_ids must be a power of two >= 16, got {block_ids}")
+def walk_launch(
+    num_ids: int, block_ids: int | None = None, num_warps: int | None = None, min_warps: int = 4
+) -> tuple[int, int]:
+    """``(BLOCK_IDS, num_warps)`` of a one-program walk over ``num_ids`` ids.
+
+    ``block_ids`` (ids a step) defaults to the call rounded up to a power of two, between 16
+    and `WALK_BLOCK`; ``num_warps`` defaults to `IDS_PER_THREAD` ids a thread, between
+    ``min_warps`` and 16. Given values are taken as they are, once checked: ``block_ids`` a
+    power of two from 16 to 65,536, ``num_warps`` a power of two from 1 to 32 (ValueError).
+    """
+    if block_ids is not None and not (16 <= block_ids <= 2**16 and block_ids & (block_ids - 1) == 0):
+        raise ValueError(f"block_ids must be a power of two from 16 to 65536, got {block_ids}")
+    if num_warps is not None and not (1 <= num_warps <= 32 and num_warps & (num_warps - 1) == 0):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps}")
     block = block_ids or min(WALK_BLOCK, max(16, triton.next_power_of_2(num_ids)))
-    return block, num_warps or max(4, min(16, block // (32 * IDS_PER_THREAD)))
+    return block, num_warps or max(min_warps, min(16, block // (32 * IDS_PER_THREAD)))

@@ -73,9 +73,11 @@ def admit(
             computed while the misses are copied.
         key_layer: ``[num_keys]`` int32, the layer of every key, for a pool of several layers:
             misses then respect the other layers' shares (``tables.share``); None: one layer.
-        num_warps: of the launch (default: measured best for the kernel).
-        block_ids: ids the large-call kernel reads a step, a power of two (default:
-            `expertcache.kernels._launch.walk_launch`); the small-call kernel holds the whole call.
+        num_warps: of the launch, a power of two up to 32 (default: 4 for the small-call kernel;
+            `expertcache.kernels._launch.walk_launch`'s for the large-call one, at least 8 over
+            more than 1,024 slots).
+        block_ids: ids the large-call kernel reads a step, a power of two from 16 to 65,536
+            (default: `walk_launch`'s); the small-call kernel holds the whole call.
     """
     if not runs_on(topk_ids):
         raise RuntimeError("device admission needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
@@ -105,6 +107,7 @@ def admit(
         raise ValueError("miss_out must be a contiguous tensor like out")
     common["SPLIT"] = miss_out is not None
     miss_out = out if miss_out is None else miss_out  # any pointer of out's type when unused
+    block, warps = walk_launch(num_ids, block_ids, num_warps, min_warps=8 if block_slots > 1024 else 4)  # checks both
     if num_ids <= SMALL_CALL:
         _admit_small_kernel[(1,)](
             topk_ids, mapping, out, miss_out, *state, tables.plan, tables.miss_stamp, tables.counters, layers,
@@ -112,12 +115,11 @@ def admit(
             BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=num_warps or 4, **common,
         )  # fmt: skip
     else:
-        block, warps = walk_launch(num_ids, block_ids, num_warps)
         _admit_kernel[(1,)](
             topk_ids, mapping, out, miss_out, *state, tables.first_seen, tables.plan, tables.miss_stamp,
             tables.counters, layers, pass_of, num_ids, num_global, num_slots, key_offset, layer, tables.share,
             pass_index,
-            BLOCK_IDS=block, num_warps=warps if num_warps or block_slots <= 1024 else max(8, warps), **common,
+            BLOCK_IDS=block, num_warps=warps, **common,
         )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from helpers import BENCHMARKS, bench_module, traces_env
         ("bench_batch", ["--overlap", "maybe"], "--overlap: invalid choice"),
         ("bench_batch", ["--chain", "yes"], "--chain: invalid choice"),
         ("bench_batch", ["--copy-priority", "low"], "--copy-priority: invalid choice"),
+        ("bench_batch", ["--replot", "abc", "--ste", "3"], "--replot draws the CSV's rows"),  # abbreviated too
         ("bench_copy_service", ["--misses", "0"], "--misses must lie in 1..64"),
         ("bench_copy_service", ["--misses", "65"], "--misses must lie in 1..64"),  # more than the slots
         ("bench_copy_service", ["--layers", "0"], "--layers and --repeats >= 1"),
@@ -44,6 +45,33 @@ def test_bad_flags_exit_2_with_one_line(module, flags, message, monkeypatch, cap
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert message in lines[-1] and not any("Traceback" in line for line in lines)
+
+
+def test_replot_draws_the_newest_default_rows_of_the_given_commits(tmp_path, monkeypatch, capsys):
+    """Ablation rows (here --copy-priority default) and other commits stay out; a later row of
+    the same variant, cache and batch wins; no such rows or no CSV: one line, exit status 2."""
+    bench = bench_module("bench_batch")
+    monkeypatch.setattr(bench._common, "RESULTS", tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.replot_rows(["aaa"])
+    assert exit_info.value.code == 2 and "no " in capsys.readouterr().err
+    fields = ["commit", "variant", "cache", "batch", "tok_per_s", "copy_priority", "error"]
+    rows = [
+        ["aaa", "device", "25%", "8", "100", "", ""],  # older rows carry no ablation columns
+        ["aaa", "device", "25%", "8", "120", "high", ""],  # newer: wins
+        ["aaa", "device", "25%", "16", "999", "default", ""],  # an ablation
+        ["bbb", "device", "25%", "16", "150", "high", ""],  # another commit
+        ["aaa", "host", "25%", "16", "", "high", "CacheCapacityError"],  # a failed row
+        ["aaa", "resident", "all", "16", "300", "high", ""],
+    ]
+    with (tmp_path / "bench_batch.csv").open("w", newline="") as handle:
+        csv.writer(handle).writerows([fields, *rows])
+    got = sorted((row["variant"], row["batch"], row["tok_per_s"]) for row in bench.replot_rows(["aaa"]))
+    assert got == [("device", 8, 120.0), ("resident", 16, 300.0)]
+    assert sorted(row["batch"] for row in bench.replot_rows(["aaa", "bbb"])) == [8, 16, 16]
+    with pytest.raises(SystemExit) as exit_info:
+        bench.replot_rows(["ccc"])
+    assert exit_info.value.code == 2 and "no decode rows of commit ccc" in capsys.readouterr().err
 
 
 def test_copy_service_plans_name_distinct_experts_and_slots():

@@ -12,6 +12,7 @@ from conftest import devices
 from helpers import random_topk, random_weights
 
 from expertcache.kernels import moe_apply, moe_apply_torch
+from expertcache.kernels._launch import walk_launch
 from expertcache.kernels.admission import admit, admit_torch
 from expertcache.kernels.commit import commit_plan, commit_plan_torch
 from expertcache.kernels.copy_experts import CopyPlan, build_segments, copy_experts, copy_experts_torch
@@ -105,8 +106,8 @@ def test_an_overflowing_call_changes_nothing(device):
 @pytest.mark.parametrize("block_ids", [16, 64, 1024])
 def test_the_one_program_walks_equal_the_reference_at_any_step(device, block_ids):
     """Pass assignment and the large admission kernel read a call ``block_ids`` ids a step: a
-    call of 13 steps (200 ids, 11 experts, 4 slots: 3 passes; the last pass's hits and misses
-    apart) gives the reference's passes, slot ids and tables whatever the step."""
+    call of 200 ids (13 steps of 16, 4 of 64, 1 of 1,024; 11 experts, 4 slots: 3 passes; the
+    last pass's hits and misses apart) gives the reference's passes, slot ids and tables."""
     gen = torch.Generator().manual_seed(block_ids)
     num_experts, num_slots = 11, 4
     kernel, reference = (SlotTables.allocate(num_experts, num_slots, 1, torch.device(device)) for _ in range(2))
@@ -129,18 +130,39 @@ def test_the_one_program_walks_equal_the_reference_at_any_step(device, block_ids
         _same_tables(kernel, reference)
 
 
+def test_walks_launch_as_measured():
+    """Calls of at most 1,024 ids launch as before the 4,096-id steps (4 warps, 8 over more
+    than 1,024 slots); larger ones read up to 4,096 ids a step at 8 a thread; given values win."""
+    assert [walk_launch(n) for n in (1, 65, 1024, 1025, 2049, 40000)] == [
+        (16, 4), (128, 4), (1024, 4), (2048, 8), (4096, 16), (4096, 16),
+    ]  # fmt: skip
+    assert walk_launch(1024, min_warps=8) == (1024, 8) and walk_launch(40000, min_warps=8) == (4096, 16)
+    assert walk_launch(40000, block_ids=1024, num_warps=2) == (1024, 2)
+
+
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("block_ids", [0, 8, 100])
-def test_a_bad_step_is_refused_before_anything_changes(device, block_ids):
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(block_ids=0), "block_ids must be a power of two from 16 to 65536"),
+        (dict(block_ids=8), "block_ids must be a power of two from 16 to 65536"),
+        (dict(block_ids=100), "block_ids must be a power of two from 16 to 65536"),
+        (dict(block_ids=2**17), "block_ids must be a power of two from 16 to 65536"),
+        (dict(num_warps=0), "num_warps must be a power of two from 1 to 32"),
+        (dict(num_warps=3), "num_warps must be a power of two from 1 to 32"),
+    ],
+)
+@pytest.mark.parametrize("num_ids", [8, 80], ids=["register kernel", "large kernel"])
+def test_a_bad_launch_setting_is_refused_before_anything_changes(device, setting, message, num_ids):
     tables = SlotTables.allocate(8, 4, 1, torch.device(device))
-    ids = torch.arange(80, device=device).reshape(40, 2) % 8
+    ids = torch.arange(num_ids, device=device).reshape(-1, 2) % 8
     before = tables.buffer.clone()
     out = torch.full_like(ids, -7)
     passes = torch.full(ids.shape, -7, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="block_ids must be a power of two >= 16"):
-        admit(tables, ids, None, out, num_global=8, key_offset=0, layer=0, block_ids=block_ids)
-    with pytest.raises(ValueError, match="block_ids must be a power of two >= 16"):
-        assign_passes(tables, ids, None, passes, num_global=8, key_offset=0, block_ids=block_ids)
+    with pytest.raises(ValueError, match=message):
+        admit(tables, ids, None, out, num_global=8, key_offset=0, layer=0, **setting)
+    with pytest.raises(ValueError, match=message):
+        assign_passes(tables, ids, None, passes, num_global=8, key_offset=0, **setting)
     assert torch.equal(tables.buffer, before) and bool((out == -7).all()) and bool((passes == -7).all())
 
 
