@@ -114,6 +114,12 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 WALK_BLOCK, IDS_PER_THREAD = 4096, 8
 
 
+def check_num_warps(num_warps: int | None) -> None:
+    """Refuse a given ``num_warps`` that is no power of two from 1 to 32 (None: the default)."""
+    if num_warps is not None and not (1 <= num_warps <= 32 and num_warps & (num_warps - 1) == 0):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps}")
+
+
 def walk_launch(
     num_ids: int, block_ids: int | None = None, num_warps: int | None = None, min_warps: int = 4
 ) -> tuple[int, int]:
@@ -126,7 +132,6 @@ def walk_launch(
     """
     if block_ids is not None and not (16 <= block_ids <= 2**16 and block_ids & (block_ids - 1) == 0):
         raise ValueError(f"block_ids must be a power of two from 16 to 65536, got {block_ids}")
-    if num_warps is not None and not (1 <= num_warps <= 32 and num_warps & (num_warps - 1) == 0):
-        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps}")
+    check_num_warps(num_warps)
     block = block_ids or min(WALK_BLOCK, max(16, triton.next_power_of_2(num_ids)))
     return block, num_warps or max(min_warps, min(16, block // (32 * IDS_PER_THREAD)))

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from expertcache.kernels._launch import on_device
+from expertcache.kernels._launch import check_num_warps, on_device
 
 #: Elements of the place kernel's ``[CHUNK, NUM_BINS]`` tiles (CHUNK pairs per program), and its
 #: warps. (Run 55 of benchmarks/bench_routing_launches.py: 8 warps took 0.76-0.85 of this time at
@@ -118,6 +118,7 @@ def sort_pairs_by_expert(
     """Group the (token, choice) pairs of ``topk_ids`` ``[T, K]`` (int32/int64) by id into
     blocks of ``block_m`` rows (see the module docstring); at least one pair. ``num_warps``:
     the place kernel's (default: `_NUM_WARPS`, measured)."""
+    check_num_warps(num_warps)
     ids = topk_ids.contiguous()
     num_pairs, device = ids.numel(), ids.device
     num_bins = triton.next_power_of_2(num_experts + 2)  # buckets 0..N and a spare bin

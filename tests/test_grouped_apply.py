@@ -218,6 +218,9 @@ def test_rejects_what_it_cannot_do(device):
         moe_apply_grouped(x, w1, w2, router, ids, invalid_ids=torch.zeros(1, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="disagree"):
         moe_apply_grouped(x[:, :16], w1, w2, router, ids)
+    for bad in (0, 3, 64):  # the pair sort's warps: refused, never replaced by the default
+        with pytest.raises(ValueError, match="num_warps must be a power of two from 1 to 32"):
+            sort_pairs_by_expert(ids, 4, 16, num_warps=bad)
 
 
 def test_auto_picks_the_gemv_for_small_calls_and_scales(monkeypatch):
