@@ -10,7 +10,8 @@ to compare with beyond the launch itself, a few microseconds):
                           tokens from the real Qwen3-30B-A3B trace (K=8, 128 experts, 32 slots:
                           25%), cold tables each replay; (block, warps) of both kernels
     pair sort             `sort_pairs_by_expert` (the grouped apply's routing) of a decode
-                          call of B tokens over S slots; its place kernel's warps
+                          call of B tokens over S slots: one program or C (count, cumsum,
+                          place), and their warps
 
 Each setting's results are checked against the default's (slot ids, tables, rows: exactly
 equal) before it is timed. Times: CUDA-graph replays of 16 calls, median.
@@ -39,7 +40,7 @@ from expertcache.kernels import admission  # noqa: E402
 from expertcache.kernels._launch import walk_launch  # noqa: E402
 from expertcache.kernels.admission import admit  # noqa: E402
 from expertcache.kernels.grouped_apply import default_tiles  # noqa: E402
-from expertcache.kernels.grouped_routing import _NUM_WARPS, sort_pairs_by_expert  # noqa: E402
+from expertcache.kernels.grouped_routing import sort_launch, sort_pairs_by_expert  # noqa: E402
 from expertcache.kernels.passes import assign_passes  # noqa: E402
 from expertcache.kernels.slot_tables import SlotTables  # noqa: E402
 from expertcache.passes import max_passes  # noqa: E402
@@ -47,7 +48,8 @@ from expertcache.passes import max_passes  # noqa: E402
 EXPERTS, TOP_K, PREFILL_SLOTS, CALLS = 128, 8, 32, 16
 BLOCKS, WARPS = (1024, 2048, 4096), (4, 8, 16)
 SORT_WARPS, SORT_SLOTS = (2, 4, 8, 16), (32, 64, 768)
-COLUMNS = ["kernel", "size", "ids", "slots", "passes", "block", "warps", "default", "us", "ratio_to_default"]
+COLUMNS = ["kernel", "size", "ids", "slots", "passes", "block", "programs", "warps", "default", "us"]
+COLUMNS.append("ratio_to_default")
 
 
 def shown(row: dict) -> dict:
@@ -108,30 +110,33 @@ def admission_rows(tokens: int, device: torch.device) -> list[dict]:
 
 
 def sort_rows(batch: int, slots: int, device: torch.device) -> list[dict]:
-    """`sort_pairs_by_expert` of 16 random decode calls (ids -1 .. slots - 1) at each warp count."""
+    """`sort_pairs_by_expert` of 16 random decode calls (ids -1 .. slots - 1): one program
+    or one per chunk, at each warp count."""
     generator = torch.Generator().manual_seed(batch * 1000 + slots)
     calls = [torch.randint(-1, slots, (batch, TOP_K), generator=generator, dtype=torch.int32).to(device)
              for _ in range(CALLS)]  # fmt: skip
     block_m = default_tiles(batch * TOP_K, 2048, 768, True)[0]
 
-    def sort(ids: torch.Tensor, warps: int):
-        return sort_pairs_by_expert(ids, slots, block_m, num_warps=warps)
+    def sort(ids: torch.Tensor, programs: str, warps: int):
+        return sort_pairs_by_expert(ids, slots, block_m, num_warps=warps, one_program=programs == "one")
 
     def outputs(setting: dict) -> list[torch.Tensor]:
-        routings = [sort(ids, setting["warps"]) for ids in calls]
+        routings = [sort(ids, **setting) for ids in calls]
         return [t for routing in routings for t in (routing.pair_of_row, routing.expert_of_block)]
 
-    settings = [{"warps": w} for w in [_NUM_WARPS, *[w for w in SORT_WARPS if w != _NUM_WARPS]]]
+    launch = sort_launch(batch * TOP_K, slots)
+    default = {"programs": "one" if launch.one_program else "chunks", "warps": launch.num_warps}
+    settings = [default, *[{"programs": p, "warps": w} for p in ("one", "chunks") for w in SORT_WARPS]]
     row = {"kernel": "pair sort", "size": f"B={batch}", "ids": batch * TOP_K, "slots": slots, "block": block_m}
-    return compared(row, settings, outputs,
-                    lambda setting: [functools.partial(sort, ids, setting["warps"]) for ids in calls])  # fmt: skip
+    return compared(row, [s for i, s in enumerate(settings) if s not in settings[:i]], outputs,
+                    lambda setting: [functools.partial(sort, ids, **setting) for ids in calls])  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (a bad one: one line on stderr, exit status 2)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 128])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 128])
     parser.add_argument("--kernels", nargs="+", choices=("admission", "sort"), default=["admission", "sort"])
     args = parser.parse_args(argv)
     if min(args.tokens) <= admission.SMALL_CALL // TOP_K:

@@ -2,23 +2,30 @@
 
 Pair ``p = t*K + k`` goes to bucket ``b`` = its id when ``0 <= id < N``, else ``N`` (ids that
 contribute nothing). Each bucket's pairs fill whole blocks of ``BLOCK_M`` rows, in pair order
-(a stable counting sort), the last block padded; buckets follow each other in order. Two
-Triton launches and one cumsum, fixed shapes, no host sync (CUDA-graph capturable), with
-``C = ceil(P / CHUNK)`` programs::
+(a stable counting sort), the last block padded; buckets follow each other in order. Fixed
+shapes, no host sync (CUDA-graph capturable). The pairs are cut into ``C = ceil(P / CHUNK)``
+chunks; a call of few chunks (a decode batch) is sorted by one program in one launch, a
+larger one by two launches of ``C`` programs and a cumsum::
 
-    count   grid (C,):  counts[b, c] = pairs of chunk c in bucket b             (tl.histogram)
-    cumsum  torch:      prefix[b, c] = counts[b, 0..c] summed; prefix[:, C-1] = bucket sizes
-    place   grid (C,):  row of pair p = first_block[b] * BLOCK_M + pairs of b in earlier
-                        chunks + earlier pairs of b in this chunk; then blocks c*CHUNK ...
-                        (c+1)*CHUNK - 1: their bucket (-1 past the used ones), padding rows
+    one program (C <= ONE_PROGRAM_CHUNKS):
+        sizes   = histogram of every chunk, summed               (tl.histogram)
+        chunk c: row of pair p = first_block[b] * BLOCK_M + pairs of b in chunks before c
+                 (carried from chunk to chunk) + earlier pairs of b in this chunk
+        then every block: its bucket (-1 past the used ones), padding rows
+    C programs:
+        count   grid (C,):  counts[b, c] = pairs of chunk c in bucket b
+        cumsum  torch:      prefix[b, c] = counts[b, 0..c] summed; prefix[:, C-1] = bucket sizes
+        place   grid (C,):  chunk c's rows as above, the carry read from prefix - counts;
+                            then blocks c*CHUNK ... (c+1)*CHUNK - 1
 
-`sort_pairs_by_expert_torch` is the reference (a stable torch.sort); both give identical
-tensors. The number of blocks is `max_blocks`, a bound from shapes alone.
+Both write identical tensors. `sort_pairs_by_expert_torch` is the reference (a stable
+torch.sort). The number of blocks is `max_blocks`, a bound from shapes alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,11 +33,43 @@ import triton.language as tl
 
 from expertcache.kernels._launch import check_num_warps, on_device
 
-#: Elements of the place kernel's ``[CHUNK, NUM_BINS]`` tiles (CHUNK pairs per program), and its
-#: warps. (Run 55 of benchmarks/bench_routing_launches.py: 8 warps took 0.76-0.85 of this time at
-#: 64 slots (128 bins) and were neutral at 32 and 768 slots; not yet the default: no whole GPU
-#: suite has run with it.)
-_TILE_ELEMENTS, _NUM_WARPS = 16384, 4
+#: Elements of the ``[CHUNK, NUM_BINS]`` tiles (CHUNK pairs a step).
+_TILE_ELEMENTS = 16384
+#: Calls of at most this many chunks are sorted by one program (see the module docstring).
+ONE_PROGRAM_CHUNKS = 1
+
+
+class SortLaunch(NamedTuple):
+    """How `sort_pairs_by_expert` launches for a call's shape (`sort_launch`)."""
+
+    num_bins: int  # buckets 0..N and a spare bin, to a power of two
+    chunk: int  # pairs a step: [CHUNK, NUM_BINS] and [CHUNK, CHUNK] tiles stay small
+    num_chunks: int
+    one_program: bool
+    num_warps: int
+
+
+def sort_launch(
+    num_pairs: int, num_experts: int, num_warps: int | None = None, one_program: bool | None = None
+) -> SortLaunch:
+    """The launch of a sort of ``num_pairs`` pairs over ``num_experts`` ids; ``None`` takes
+    the measured defaults: one program up to `ONE_PROGRAM_CHUNKS` chunks, and 8 warps from
+    128 bins, else 4. (Run 55 of benchmarks/bench_routing_launches.py, the place kernel: 8
+    warps took 0.76-0.85 of the 4-warp time at 128 bins (64 slots), 0.96-1.04 at 64 and
+    1,024.) Refuses a bad setting (ValueError)."""
+    check_num_warps(num_warps)
+    if one_program is not None and not isinstance(one_program, bool):
+        raise ValueError(f"one_program must be None, True or False, got {one_program!r}")
+    num_bins = triton.next_power_of_2(num_experts + 2)
+    chunk = max(16, min(128, _TILE_ELEMENTS // num_bins))
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    return SortLaunch(
+        num_bins,
+        chunk,
+        num_chunks,
+        num_chunks <= ONE_PROGRAM_CHUNKS if one_program is None else one_program,
+        num_warps or (8 if num_bins >= 128 else 4),
+    )
 
 
 @dataclass(frozen=True)
@@ -72,36 +111,40 @@ def _buckets(ids_ptr, pairs, num_pairs, num_experts, NUM_BINS: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, num_chunks, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr):
-    chunk = tl.program_id(0)
-    buckets = _buckets(ids_ptr, chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK), num_pairs, num_experts, NUM_BINS)
-    bins = tl.arange(0, NUM_BINS)
-    counts = tl.where(bins == NUM_BINS - 1, 0, tl.histogram(buckets, NUM_BINS))
-    tl.store(counts_ptr + bins * num_chunks + chunk, counts)
+def _bucket_counts(buckets, NUM_BINS: tl.constexpr):
+    """``[NUM_BINS]`` pairs in each bucket of ``buckets`` (0 in the spare last bin)."""
+    return tl.where(tl.arange(0, NUM_BINS) == NUM_BINS - 1, 0, tl.histogram(buckets, NUM_BINS))
 
 
 @triton.jit
-def _place_kernel(
-    ids_ptr, counts_ptr, prefix_ptr, pair_ptr, expert_ptr, num_pairs, num_experts, num_chunks, num_blocks,
-    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
-):  # fmt: skip
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, num_chunks, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr):
     chunk = tl.program_id(0)
+    buckets = _buckets(ids_ptr, chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK), num_pairs, num_experts, NUM_BINS)
+    tl.store(counts_ptr + tl.arange(0, NUM_BINS) * num_chunks + chunk, _bucket_counts(buckets, NUM_BINS))
+
+
+@triton.jit
+def _chunk_rows(pair_ptr, pairs, buckets, before, blocks, num_pairs,
+                BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    """Store the rows of one chunk's ``pairs`` ``[CHUNK]`` (int64), given their ``buckets``,
+    ``before`` (pairs of each one's bucket in earlier chunks) and ``blocks`` ``[NUM_BINS]``
+    (blocks per bucket)."""
     bins = tl.arange(0, NUM_BINS)
     lanes = tl.arange(0, CHUNK)
-    sizes = tl.load(prefix_ptr + bins * num_chunks + num_chunks - 1)  # pairs per bucket
-    blocks = (sizes + BLOCK_M - 1) // BLOCK_M
-    block_end = tl.cumsum(blocks, 0)
-    # this chunk's pairs: rank among the same bucket's pairs, before and in this chunk
-    pairs = chunk.to(tl.int64) * CHUNK + lanes
-    buckets = _buckets(ids_ptr, pairs, num_pairs, num_experts, NUM_BINS)
     here = tl.sum(((buckets[:, None] == buckets[None, :]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
-    cell = buckets * num_chunks + chunk
-    before = tl.load(prefix_ptr + cell) - tl.load(counts_ptr + cell)
     first_block = tl.sum(tl.where(bins[None, :] < buckets[:, None], blocks[None, :], 0), axis=1)
     rows = first_block.to(tl.int64) * BLOCK_M + before + here
     tl.store(pair_ptr + rows, pairs, mask=pairs < num_pairs)
-    # blocks chunk*CHUNK ...: their bucket, and padding for the rows no pair fills
-    block = chunk * CHUNK + lanes
+
+
+@triton.jit
+def _chunk_blocks(pair_ptr, expert_ptr, chunk, sizes, blocks, num_pairs, num_experts, num_blocks,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    """Blocks ``chunk*CHUNK ...``: their bucket (-1 past the used ones), and padding for the
+    rows no pair fills; ``sizes`` and ``blocks`` ``[NUM_BINS]``: pairs and blocks per bucket."""
+    bins = tl.arange(0, NUM_BINS)
+    block = chunk * CHUNK + tl.arange(0, CHUNK)
+    block_end = tl.cumsum(blocks, 0)
     bucket = tl.sum((block_end[None, :] <= block[:, None]).to(tl.int32), axis=1)  # NUM_BINS past the used blocks
     tl.store(expert_ptr + block, tl.where(bucket <= num_experts, bucket, -1).to(tl.int64), mask=block < num_blocks)
     first = tl.sum(tl.where(bins[None, :] < bucket[:, None], blocks[None, :], 0), axis=1)
@@ -112,28 +155,80 @@ def _place_kernel(
     tl.store(pair_ptr + block.to(tl.int64)[:, None] * BLOCK_M + members, padding, mask=pad)
 
 
+@triton.jit
+def _place_kernel(
+    ids_ptr, counts_ptr, prefix_ptr, pair_ptr, expert_ptr, num_pairs, num_experts, num_chunks, num_blocks,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
+):  # fmt: skip
+    chunk = tl.program_id(0)
+    sizes = tl.load(prefix_ptr + tl.arange(0, NUM_BINS) * num_chunks + num_chunks - 1)  # pairs per bucket
+    blocks = (sizes + BLOCK_M - 1) // BLOCK_M
+    pairs = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    buckets = _buckets(ids_ptr, pairs, num_pairs, num_experts, NUM_BINS)
+    cell = buckets * num_chunks + chunk
+    before = tl.load(prefix_ptr + cell) - tl.load(counts_ptr + cell)  # this bucket's pairs in earlier chunks
+    _chunk_rows(pair_ptr, pairs, buckets, before, blocks, num_pairs, BLOCK_M, CHUNK, NUM_BINS)
+    _chunk_blocks(pair_ptr, expert_ptr, chunk, sizes, blocks, num_pairs, num_experts, num_blocks, BLOCK_M, CHUNK,
+                  NUM_BINS)  # fmt: skip
+
+
+@triton.jit
+def _sort_one_program_kernel(
+    ids_ptr, pair_ptr, expert_ptr, num_pairs, num_experts, num_chunks, num_blocks,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
+):  # fmt: skip
+    bins = tl.arange(0, NUM_BINS)
+    lanes = tl.arange(0, CHUNK).to(tl.int64)
+    sizes = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for chunk in range(num_chunks):
+        sizes += _bucket_counts(_buckets(ids_ptr, chunk * CHUNK + lanes, num_pairs, num_experts, NUM_BINS), NUM_BINS)
+    blocks = (sizes + BLOCK_M - 1) // BLOCK_M
+    seen = tl.zeros([NUM_BINS], dtype=tl.int32)  # pairs of each bucket in the chunks done
+    for chunk in range(num_chunks):
+        pairs = chunk * CHUNK + lanes
+        buckets = _buckets(ids_ptr, pairs, num_pairs, num_experts, NUM_BINS)
+        before = tl.sum(tl.where(bins[None, :] == buckets[:, None], seen[None, :], 0), axis=1)
+        _chunk_rows(pair_ptr, pairs, buckets, before, blocks, num_pairs, BLOCK_M, CHUNK, NUM_BINS)
+        seen += _bucket_counts(buckets, NUM_BINS)
+    for chunk in range(tl.cdiv(num_blocks, CHUNK)):
+        _chunk_blocks(pair_ptr, expert_ptr, chunk, sizes, blocks, num_pairs, num_experts, num_blocks, BLOCK_M, CHUNK,
+                      NUM_BINS)  # fmt: skip
+
+
 def sort_pairs_by_expert(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, num_warps: int | None = None
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    num_warps: int | None = None,
+    one_program: bool | None = None,
 ) -> GroupedRouting:
     """Group the (token, choice) pairs of ``topk_ids`` ``[T, K]`` (int32/int64) by id into
-    blocks of ``block_m`` rows (see the module docstring); at least one pair. ``num_warps``:
-    the place kernel's (default: `_NUM_WARPS`, measured)."""
-    check_num_warps(num_warps)
+    blocks of ``block_m`` rows (see the module docstring); at least one pair.
+    ``num_warps``, ``one_program``: the launch (`sort_launch`; None: the measured default).
+    Every setting gives the same tensors."""
     ids = topk_ids.contiguous()
     num_pairs, device = ids.numel(), ids.device
-    num_bins = triton.next_power_of_2(num_experts + 2)  # buckets 0..N and a spare bin
-    chunk = max(16, min(128, _TILE_ELEMENTS // num_bins))  # [CHUNK, NUM_BINS], [CHUNK, CHUNK] tiles stay small
-    num_chunks, num_blocks = triton.cdiv(num_pairs, chunk), max_blocks(num_pairs, num_experts, block_m)
-    counts = torch.empty(num_bins, num_chunks, dtype=torch.int32, device=device)  # scanned along rows: in parallel
+    launch = sort_launch(num_pairs, num_experts, num_warps, one_program)
+    num_chunks, num_blocks = launch.num_chunks, max_blocks(num_pairs, num_experts, block_m)
     pair_of_row = torch.empty(num_blocks * block_m, dtype=torch.int64, device=device)
     expert_of_block = torch.empty(num_blocks, dtype=torch.int64, device=device)
+    shape = dict(BLOCK_M=block_m, CHUNK=launch.chunk, NUM_BINS=launch.num_bins)
     with on_device(device):
-        _count_kernel[(num_chunks,)](ids, counts, num_pairs, num_experts, num_chunks, CHUNK=chunk, NUM_BINS=num_bins)
-        prefix = torch.cumsum(counts, 1, dtype=torch.int32)
-        _place_kernel[(num_chunks,)](
-            ids, counts, prefix, pair_of_row, expert_of_block, num_pairs, num_experts, num_chunks, num_blocks,
-            BLOCK_M=block_m, CHUNK=chunk, NUM_BINS=num_bins, num_warps=num_warps or _NUM_WARPS,
-        )  # fmt: skip
+        if launch.one_program:
+            _sort_one_program_kernel[(1,)](
+                ids, pair_of_row, expert_of_block, num_pairs, num_experts, num_chunks, num_blocks, **shape,
+                num_warps=launch.num_warps,
+            )  # fmt: skip
+        else:
+            counts = torch.empty(launch.num_bins, num_chunks, dtype=torch.int32, device=device)  # scanned along rows
+            _count_kernel[(num_chunks,)](
+                ids, counts, num_pairs, num_experts, num_chunks, CHUNK=launch.chunk, NUM_BINS=launch.num_bins
+            )
+            prefix = torch.cumsum(counts, 1, dtype=torch.int32)
+            _place_kernel[(num_chunks,)](
+                ids, counts, prefix, pair_of_row, expert_of_block, num_pairs, num_experts, num_chunks, num_blocks,
+                **shape, num_warps=launch.num_warps,
+            )  # fmt: skip
     return GroupedRouting(pair_of_row, expert_of_block, block_m)
 
 

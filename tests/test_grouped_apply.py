@@ -7,6 +7,8 @@ so a kernel that read outside ``[0, N)`` would give NaN.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import devices
@@ -15,7 +17,13 @@ from helpers import random_topk, random_weights
 from expertcache.kernels import grouped_apply as grouped_module
 from expertcache.kernels import moe_apply, moe_apply_grouped, moe_apply_torch
 from expertcache.kernels.grouped_apply import moe_apply_auto
-from expertcache.kernels.grouped_routing import max_blocks, sort_pairs_by_expert, sort_pairs_by_expert_torch
+from expertcache.kernels.grouped_routing import (
+    SortLaunch,
+    max_blocks,
+    sort_launch,
+    sort_pairs_by_expert,
+    sort_pairs_by_expert_torch,
+)
 
 # dtype travels with its tolerance: fp32 differs from torch in summation order only; fp16
 # rounds the intermediate activation to fp16 as well.
@@ -156,7 +164,12 @@ def routing_by_hand(ids: list[int], num_experts: int, block_m: int) -> tuple[lis
     return rows + [pairs] * (unused * block_m), experts + [-1] * unused
 
 
-ROUTES = [pytest.param(sort_pairs_by_expert, id="kernel"), pytest.param(sort_pairs_by_expert_torch, id="torch")]
+ROUTES = [
+    pytest.param(sort_pairs_by_expert, id="kernel"),  # the default launch
+    pytest.param(functools.partial(sort_pairs_by_expert, one_program=True), id="one-program"),
+    pytest.param(functools.partial(sort_pairs_by_expert, one_program=False, num_warps=2), id="per-chunk"),
+    pytest.param(sort_pairs_by_expert_torch, id="torch"),
+]
 
 
 @pytest.mark.parametrize("device", devices())
@@ -182,14 +195,27 @@ def test_routing_equals_plain_python(device, route, ids, num_experts, bound):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("tokens, top_k, num_experts, block_m", [(200, 8, 32, 16), (64, 4, 128, 64), (9, 3, 2, 32)])
-def test_routing_kernel_equals_torch_reference(device, tokens, top_k, num_experts, block_m):
+@pytest.mark.parametrize("one_program", [None, True, False])
+@pytest.mark.parametrize(
+    "tokens, top_k, num_experts, block_m", [(200, 8, 32, 16), (64, 4, 128, 64), (9, 3, 2, 32), (16, 8, 64, 16)]
+)
+def test_routing_kernel_equals_torch_reference(device, one_program, tokens, top_k, num_experts, block_m):
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.randint(-2, num_experts + 2, (tokens, top_k), generator=gen).to(device, torch.int32)
-    kernel = sort_pairs_by_expert(ids, num_experts, block_m)
+    kernel = sort_pairs_by_expert(ids, num_experts, block_m, one_program=one_program)
     reference = sort_pairs_by_expert_torch(ids, num_experts, block_m)
     assert torch.equal(kernel.pair_of_row, reference.pair_of_row)
     assert torch.equal(kernel.expert_of_block, reference.expert_of_block)
+
+
+def test_pair_sort_launches_as_measured():
+    """One program for a call of one chunk (a decode batch up to 16 tokens at top-8 over 64
+    slots), one per chunk past it; 8 warps from 128 bins (64 slots and more), else 4."""
+    assert sort_launch(128, 64) == SortLaunch(num_bins=128, chunk=128, num_chunks=1, one_program=True, num_warps=8)
+    assert sort_launch(129, 64) == SortLaunch(num_bins=128, chunk=128, num_chunks=2, one_program=False, num_warps=8)
+    assert sort_launch(256, 32) == SortLaunch(num_bins=64, chunk=128, num_chunks=2, one_program=False, num_warps=4)
+    assert sort_launch(64, 768) == SortLaunch(num_bins=1024, chunk=16, num_chunks=4, one_program=False, num_warps=8)
+    assert sort_launch(1024, 64, num_warps=2, one_program=True) == (128, 128, 8, True, 2)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -221,6 +247,9 @@ def test_rejects_what_it_cannot_do(device):
     for bad in (0, 3, 64):  # the pair sort's warps: refused, never replaced by the default
         with pytest.raises(ValueError, match="num_warps must be a power of two from 1 to 32"):
             sort_pairs_by_expert(ids, 4, 16, num_warps=bad)
+    for bad in (0, 1, "yes"):
+        with pytest.raises(ValueError, match="one_program must be None, True or False"):
+            sort_pairs_by_expert(ids, 4, 16, one_program=bad)
 
 
 def test_auto_picks_the_gemv_for_small_calls_and_scales(monkeypatch):
