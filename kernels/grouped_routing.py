@@ -53,10 +53,12 @@ def sort_launch(
     num_pairs: int, num_experts: int, num_warps: int | None = None, one_program: bool | None = None
 ) -> SortLaunch:
     """The launch of a sort of ``num_pairs`` pairs over ``num_experts`` ids; ``None`` takes
-    the measured defaults: one program up to `ONE_PROGRAM_CHUNKS` chunks, and 8 warps from
-    128 bins, else 4. (Run 55 of benchmarks/bench_routing_launches.py, the place kernel: 8
-    warps took 0.76-0.85 of the 4-warp time at 128 bins (64 slots), 0.96-1.04 at 64 and
-    1,024.) Refuses a bad setting (ValueError)."""
+    the measured defaults, one program up to `ONE_PROGRAM_CHUNKS` chunks and 8 warps. (Run 57
+    of benchmarks/bench_routing_launches.py, graphed, us a call: B=16 at top-8 over 64 slots,
+    one chunk, 10.6 in one program at 8 warps, 11.1 in C programs at 8, 17.0 at 4 (the old
+    default); over 32 slots 8.1 / 9.4 / 10.7; 8 warps took 0.82-0.92 of 4 warps' time in C
+    programs at 2-8 chunks; one program at 2 chunks or more took 1.8-3.3x, and 7-60x over
+    768 slots' 16-pair chunks.) Refuses a bad setting (ValueError)."""
     check_num_warps(num_warps)
     if one_program is not None and not isinstance(one_program, bool):
         raise ValueError(f"one_program must be None, True or False, got {one_program!r}")
@@ -68,7 +70,7 @@ def sort_launch(
         chunk,
         num_chunks,
         num_chunks <= ONE_PROGRAM_CHUNKS if one_program is None else one_program,
-        num_warps or (8 if num_bins >= 128 else 4),
+        num_warps or 8,
     )
 
 

@@ -210,10 +210,10 @@ def test_routing_kernel_equals_torch_reference(device, one_program, tokens, top_
 
 def test_pair_sort_launches_as_measured():
     """One program for a call of one chunk (a decode batch up to 16 tokens at top-8 over 64
-    slots), one per chunk past it; 8 warps from 128 bins (64 slots and more), else 4."""
+    slots), one per chunk past it; 8 warps."""
     assert sort_launch(128, 64) == SortLaunch(num_bins=128, chunk=128, num_chunks=1, one_program=True, num_warps=8)
     assert sort_launch(129, 64) == SortLaunch(num_bins=128, chunk=128, num_chunks=2, one_program=False, num_warps=8)
-    assert sort_launch(256, 32) == SortLaunch(num_bins=64, chunk=128, num_chunks=2, one_program=False, num_warps=4)
+    assert sort_launch(256, 32) == SortLaunch(num_bins=64, chunk=128, num_chunks=2, one_program=False, num_warps=8)
     assert sort_launch(64, 768) == SortLaunch(num_bins=1024, chunk=16, num_chunks=4, one_program=False, num_warps=8)
     assert sort_launch(1024, 64, num_warps=2, one_program=True) == (128, 128, 8, True, 2)
 
