@@ -40,11 +40,9 @@ def _place_misses(
     Without ``HAS_SHARES`` the slots are sorted once and every miss placed at once
     (`_place_in_order`). With ``HAS_SHARES`` (a pool of several layers) a slot of another
     layer that holds no more than ``share`` slots is not evictable
-    (`expertcache.layer_shares`): one miss at a time, in registers, the coldest slot is
-    taken unless it is such a slot; then its whole layer is marked (sorted after every
-    unmarked slot; a layer's count only falls during a call, so the mark stays right) and
-    the search repeats. The victims are then placed at once, as without shares (one
-    dependent round of loads and stores, not one a miss).
+    (`expertcache.layer_shares`): one miss at a time, the coldest slot is taken unless it
+    is such a slot; then its whole layer is marked (sorted after every unmarked slot; a
+    layer's count only falls during a call, so the mark stays right) and the search repeats.
     """
     slots = tl.arange(0, BLOCK_SLOTS)
     in_pool = slots < num_slots
@@ -55,8 +53,8 @@ def _place_misses(
     if HAS_SHARES:
         held_key = tl.load(slot_to_key_ptr + slots, mask=in_pool, other=-1)
         owner = tl.load(key_layer_ptr + held_key, mask=held_key >= 0, other=-1)  # -1 = free
-        chosen = tl.full([BLOCK_SLOTS], _KEY_MAX, tl.int64)  # miss r's victim at [r], packed like order
-        for rank in range(0, num_misses):  # the choice in registers; the tables are written after, at once
+        num_evictions = 0
+        for rank in range(0, num_misses):
             coldest = tl.min(order, axis=0)
             victim = (coldest & ((1 << SLOT_BITS) - 1)).to(tl.int32)
             victim_layer = tl.sum(tl.where(slots == victim, owner, 0), axis=0)
@@ -71,11 +69,16 @@ def _place_misses(
                 guarded = (victim_layer >= 0) & (victim_layer != layer) & (held <= share) & (coldest < _MARK)
             owner = tl.where(slots == victim, layer, owner)
             order = tl.where(order == coldest, _KEY_MAX, order)
-            chosen = tl.where(slots == rank, coldest, chosen)
-        num_evictions = _place_in_order(
-            expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_ptr, miss_stamp_ptr, chosen, slots, num_misses,
-            SLOT_BITS,
-        )  # fmt: skip
+            old_key = tl.load(slot_to_key_ptr + victim)
+            if old_key >= 0:
+                tl.store(expert_to_slot_ptr + old_key, -1)
+                num_evictions += 1
+            key = tl.load(plan_ptr + 3 + 4 * rank)
+            tl.store(expert_to_slot_ptr + key, victim)
+            tl.store(slot_to_key_ptr + victim, key)
+            tl.store(last_use_ptr + victim, tl.load(miss_stamp_ptr + rank))
+            tl.store(plan_ptr + 2 + 4 * rank, victim)
+            tl.store(plan_ptr + 4 + 4 * rank, old_key)
     else:  # every miss at once: the r-th smallest key is the r-th miss's victim
         num_evictions = _place_in_order(
             expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, plan_ptr, miss_stamp_ptr, tl.sort(order, 0), slots,
