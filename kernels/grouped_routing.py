@@ -56,9 +56,9 @@ def sort_launch(
     the measured defaults, one program up to `ONE_PROGRAM_CHUNKS` chunks and 8 warps. (Run 57
     of benchmarks/bench_routing_launches.py, graphed, us a call: B=16 at top-8 over 64 slots,
     one chunk, 10.6 in one program at 8 warps, 11.1 in C programs at 8, 17.0 at 4 (the old
-    default); over 32 slots 8.1 / 9.4 / 10.7; 8 warps took 0.82-0.92 of 4 warps' time in C
-    programs at 2-8 chunks; one program at 2 chunks or more took 1.8-3.3x, and 7-60x over
-    768 slots' 16-pair chunks.) Refuses a bad setting (ValueError)."""
+    default); over 32 slots 8.1 / 9.4 / 10.7; in C programs at 2-32 chunks 8 warps took
+    0.64-0.93 of 4 warps' time; one program took 1.8-3.3x of C programs at 2-4 chunks and
+    7-60x at 8-32 (768 slots: 16-pair chunks).) Refuses a bad setting (ValueError)."""
     check_num_warps(num_warps)
     if one_program is not None and not isinstance(one_program, bool):
         raise ValueError(f"one_program must be None, True or False, got {one_program!r}")
