@@ -48,8 +48,9 @@ from expertcache.passes import max_passes  # noqa: E402
 EXPERTS, TOP_K, PREFILL_SLOTS, CALLS = 128, 8, 32, 16
 BLOCKS, WARPS = (1024, 2048, 4096), (4, 8, 16)
 SORT_WARPS, SORT_SLOTS = (2, 4, 8, 16), (32, 64, 768)
-COLUMNS = ["kernel", "size", "ids", "slots", "passes", "block", "programs", "warps", "default", "us"]
-COLUMNS.append("ratio_to_default")
+COLUMNS = [
+    "kernel", "size", "ids", "slots", "passes", "block", "programs", "warps", "default", "us", "ratio_to_default",
+]  # fmt: skip
 
 
 def shown(row: dict) -> dict:
