@@ -10,8 +10,8 @@ to compare with beyond the launch itself, a few microseconds):
                           tokens from the real Qwen3-30B-A3B trace (K=8, 128 experts, 32 slots:
                           25%), cold tables each replay; (block, warps) of both kernels
     pair sort             `sort_pairs_by_expert` (the grouped apply's routing) of a decode
-                          call of B tokens over S slots: one program or C (count, cumsum,
-                          place), and their warps
+                          call of B tokens over S slots: one program (a call of one chunk)
+                          or C (count, cumsum, place), and their warps
 
 Each setting's results are checked against the default's (slot ids, tables, rows: exactly
 equal) before it is timed. Times: CUDA-graph replays of 16 calls, median.
@@ -112,7 +112,7 @@ def admission_rows(tokens: int, device: torch.device) -> list[dict]:
 
 def sort_rows(batch: int, slots: int, device: torch.device) -> list[dict]:
     """`sort_pairs_by_expert` of 16 random decode calls (ids -1 .. slots - 1): one program
-    or one per chunk, at each warp count."""
+    (a call of one chunk) or one per chunk, at each warp count."""
     generator = torch.Generator().manual_seed(batch * 1000 + slots)
     calls = [torch.randint(-1, slots, (batch, TOP_K), generator=generator, dtype=torch.int32).to(device)
              for _ in range(CALLS)]  # fmt: skip
@@ -127,7 +127,8 @@ def sort_rows(batch: int, slots: int, device: torch.device) -> list[dict]:
 
     launch = sort_launch(batch * TOP_K, slots)
     default = {"programs": "one" if launch.one_program else "chunks", "warps": launch.num_warps}
-    settings = [default, *[{"programs": p, "warps": w} for p in ("one", "chunks") for w in SORT_WARPS]]
+    programs = ("one", "chunks") if launch.num_chunks == 1 else ("chunks",)  # one program sorts one chunk only
+    settings = [default, *[{"programs": p, "warps": w} for p in programs for w in SORT_WARPS]]
     row = {"kernel": "pair sort", "size": f"B={batch}", "ids": batch * TOP_K, "slots": slots, "block": block_m}
     return compared(row, [s for i, s in enumerate(settings) if s not in settings[:i]], outputs,
                     lambda setting: [functools.partial(sort, ids, **setting) for ids in calls])  # fmt: skip

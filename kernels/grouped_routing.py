@@ -4,19 +4,19 @@ Pair ``p = t*K + k`` goes to bucket ``b`` = its id when ``0 <= id < N``, else ``
 contribute nothing). Each bucket's pairs fill whole blocks of ``BLOCK_M`` rows, in pair order
 (a stable counting sort), the last block padded; buckets follow each other in order. Fixed
 shapes, no host sync (CUDA-graph capturable). The pairs are cut into ``C = ceil(P / CHUNK)``
-chunks; a call of few chunks (a decode batch) is sorted by one program in one launch, a
-larger one by two launches of ``C`` programs and a cumsum::
+chunks; a call of one chunk (a decode batch) is sorted by one program in one launch, a larger
+one by two launches of ``C`` programs and a cumsum::
 
-    one program (C <= ONE_PROGRAM_CHUNKS):
-        sizes   = histogram of every chunk, summed               (tl.histogram)
-        chunk c: row of pair p = first_block[b] * BLOCK_M + pairs of b in chunks before c
-                 (carried from chunk to chunk) + earlier pairs of b in this chunk
-        then every block: its bucket (-1 past the used ones), padding rows
+    one program (C = 1):
+        sizes   = histogram of the chunk                          (tl.histogram)
+        rows    = first_block[b] * BLOCK_M + earlier pairs of b in the chunk
+        then every block (at most P of them: one chunk): its bucket (-1 past the used ones),
+        padding rows
     C programs:
         count   grid (C,):  counts[b, c] = pairs of chunk c in bucket b
         cumsum  torch:      prefix[b, c] = counts[b, 0..c] summed; prefix[:, C-1] = bucket sizes
-        place   grid (C,):  chunk c's rows as above, the carry read from prefix - counts;
-                            then blocks c*CHUNK ... (c+1)*CHUNK - 1
+        place   grid (C,):  chunk c's rows as above, plus the pairs of b in chunks before c
+                            (prefix - counts); then blocks c*CHUNK ... (c+1)*CHUNK - 1
 
 Both write identical tensors. `sort_pairs_by_expert_torch` is the reference (a stable
 torch.sort). The number of blocks is `max_blocks`, a bound from shapes alone.
@@ -35,8 +35,6 @@ from expertcache.kernels._launch import check_num_warps, on_device
 
 #: Elements of the ``[CHUNK, NUM_BINS]`` tiles (CHUNK pairs a step).
 _TILE_ELEMENTS = 16384
-#: Calls of at most this many chunks are sorted by one program (see the module docstring).
-ONE_PROGRAM_CHUNKS = 1
 
 
 class SortLaunch(NamedTuple):
@@ -53,25 +51,25 @@ def sort_launch(
     num_pairs: int, num_experts: int, num_warps: int | None = None, one_program: bool | None = None
 ) -> SortLaunch:
     """The launch of a sort of ``num_pairs`` pairs over ``num_experts`` ids; ``None`` takes
-    the measured defaults, one program up to `ONE_PROGRAM_CHUNKS` chunks and 8 warps. (Run 57
-    of benchmarks/bench_routing_launches.py, graphed, us a call: B=16 at top-8 over 64 slots,
+    the measured defaults, one program for a call of one chunk and 8 warps. (Run 57 of
+    benchmarks/bench_routing_launches.py, graphed, us a call: B=16 at top-8 over 64 slots,
     one chunk, 10.6 in one program at 8 warps, 11.1 in C programs at 8, 17.0 at 4 (the old
     default); over 32 slots 8.1 / 9.4 / 10.7; in C programs at 2-32 chunks 8 warps took
-    0.64-0.93 of 4 warps' time; one program took 1.8-3.3x of C programs at 2-4 chunks and
-    7-60x at 8-32 (768 slots: 16-pair chunks).) Refuses a bad setting (ValueError)."""
+    0.64-0.93 of 4 warps' time; a program walking the chunks in turn took 1.8-3.3x of C
+    programs at 2-4 chunks and 7-60x at 8-32, so one program sorts one chunk only.) Refuses
+    a bad setting, and one program past one chunk (ValueError)."""
     check_num_warps(num_warps)
     if one_program is not None and not isinstance(one_program, bool):
         raise ValueError(f"one_program must be None, True or False, got {one_program!r}")
     num_bins = triton.next_power_of_2(num_experts + 2)
     chunk = max(16, min(128, _TILE_ELEMENTS // num_bins))
     num_chunks = triton.cdiv(num_pairs, chunk)
-    return SortLaunch(
-        num_bins,
-        chunk,
-        num_chunks,
-        num_chunks <= ONE_PROGRAM_CHUNKS if one_program is None else one_program,
-        num_warps or 8,
-    )
+    if one_program and num_chunks > 1:
+        raise ValueError(
+            f"one_program sorts a call of one chunk ({chunk} pairs over {num_experts} ids), got {num_pairs} pairs"
+        )
+    return SortLaunch(num_bins, chunk, num_chunks, num_chunks == 1 if one_program is None else one_program,
+                      num_warps or 8)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -175,26 +173,18 @@ def _place_kernel(
 
 
 @triton.jit
-def _sort_one_program_kernel(
-    ids_ptr, pair_ptr, expert_ptr, num_pairs, num_experts, num_chunks, num_blocks,
+def _sort_one_chunk_kernel(
+    ids_ptr, pair_ptr, expert_ptr, num_pairs, num_experts, num_blocks,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr,
 ):  # fmt: skip
-    bins = tl.arange(0, NUM_BINS)
-    lanes = tl.arange(0, CHUNK).to(tl.int64)
-    sizes = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for chunk in range(num_chunks):
-        sizes += _bucket_counts(_buckets(ids_ptr, chunk * CHUNK + lanes, num_pairs, num_experts, NUM_BINS), NUM_BINS)
+    pairs = tl.arange(0, CHUNK).to(tl.int64)
+    buckets = _buckets(ids_ptr, pairs, num_pairs, num_experts, NUM_BINS)
+    sizes = _bucket_counts(buckets, NUM_BINS)
     blocks = (sizes + BLOCK_M - 1) // BLOCK_M
-    seen = tl.zeros([NUM_BINS], dtype=tl.int32)  # pairs of each bucket in the chunks done
-    for chunk in range(num_chunks):
-        pairs = chunk * CHUNK + lanes
-        buckets = _buckets(ids_ptr, pairs, num_pairs, num_experts, NUM_BINS)
-        before = tl.sum(tl.where(bins[None, :] == buckets[:, None], seen[None, :], 0), axis=1)
-        _chunk_rows(pair_ptr, pairs, buckets, before, blocks, num_pairs, BLOCK_M, CHUNK, NUM_BINS)
-        seen += _bucket_counts(buckets, NUM_BINS)
-    for chunk in range(tl.cdiv(num_blocks, CHUNK)):
-        _chunk_blocks(pair_ptr, expert_ptr, chunk, sizes, blocks, num_pairs, num_experts, num_blocks, BLOCK_M, CHUNK,
-                      NUM_BINS)  # fmt: skip
+    _chunk_rows(pair_ptr, pairs, buckets, 0, blocks, num_pairs, BLOCK_M, CHUNK, NUM_BINS)
+    # num_blocks <= num_pairs <= CHUNK: the blocks are one chunk too
+    _chunk_blocks(pair_ptr, expert_ptr, 0, sizes, blocks, num_pairs, num_experts, num_blocks, BLOCK_M, CHUNK,
+                  NUM_BINS)  # fmt: skip
 
 
 def sort_pairs_by_expert(
@@ -217,8 +207,8 @@ def sort_pairs_by_expert(
     shape = dict(BLOCK_M=block_m, CHUNK=launch.chunk, NUM_BINS=launch.num_bins)
     with on_device(device):
         if launch.one_program:
-            _sort_one_program_kernel[(1,)](
-                ids, pair_of_row, expert_of_block, num_pairs, num_experts, num_chunks, num_blocks, **shape,
+            _sort_one_chunk_kernel[(1,)](
+                ids, pair_of_row, expert_of_block, num_pairs, num_experts, num_blocks, **shape,
                 num_warps=launch.num_warps,
             )  # fmt: skip
         else:

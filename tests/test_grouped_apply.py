@@ -18,6 +18,7 @@ from expertcache.kernels import grouped_apply as grouped_module
 from expertcache.kernels import moe_apply, moe_apply_grouped, moe_apply_torch
 from expertcache.kernels.grouped_apply import moe_apply_auto
 from expertcache.kernels.grouped_routing import (
+    GroupedRouting,
     SortLaunch,
     max_blocks,
     sort_launch,
@@ -164,9 +165,19 @@ def routing_by_hand(ids: list[int], num_experts: int, block_m: int) -> tuple[lis
     return rows + [pairs] * (unused * block_m), experts + [-1] * unused
 
 
+def sort_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
+    """The one-program sort of a call of one chunk; past one chunk, its refusal is asserted
+    and the default launch sorts."""
+    if sort_launch(ids.numel(), num_experts).num_chunks > 1:
+        with pytest.raises(ValueError, match="one_program sorts a call of one chunk"):
+            sort_pairs_by_expert(ids, num_experts, block_m, one_program=True)
+        return sort_pairs_by_expert(ids, num_experts, block_m)
+    return sort_pairs_by_expert(ids, num_experts, block_m, one_program=True)
+
+
 ROUTES = [
     pytest.param(sort_pairs_by_expert, id="kernel"),  # the default launch
-    pytest.param(functools.partial(sort_pairs_by_expert, one_program=True), id="one-program"),
+    pytest.param(sort_in_one_program, id="one-program"),
     pytest.param(functools.partial(sort_pairs_by_expert, one_program=False, num_warps=2), id="per-chunk"),
     pytest.param(sort_pairs_by_expert_torch, id="torch"),
 ]
@@ -202,7 +213,8 @@ def test_routing_equals_plain_python(device, route, ids, num_experts, bound):
 def test_routing_kernel_equals_torch_reference(device, one_program, tokens, top_k, num_experts, block_m):
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.randint(-2, num_experts + 2, (tokens, top_k), generator=gen).to(device, torch.int32)
-    kernel = sort_pairs_by_expert(ids, num_experts, block_m, one_program=one_program)
+    sort = sort_in_one_program if one_program else functools.partial(sort_pairs_by_expert, one_program=one_program)
+    kernel = sort(ids, num_experts, block_m)
     reference = sort_pairs_by_expert_torch(ids, num_experts, block_m)
     assert torch.equal(kernel.pair_of_row, reference.pair_of_row)
     assert torch.equal(kernel.expert_of_block, reference.expert_of_block)
@@ -215,7 +227,10 @@ def test_pair_sort_launches_as_measured():
     assert sort_launch(129, 64) == SortLaunch(num_bins=128, chunk=128, num_chunks=2, one_program=False, num_warps=8)
     assert sort_launch(256, 32) == SortLaunch(num_bins=64, chunk=128, num_chunks=2, one_program=False, num_warps=8)
     assert sort_launch(64, 768) == SortLaunch(num_bins=1024, chunk=16, num_chunks=4, one_program=False, num_warps=8)
-    assert sort_launch(1024, 64, num_warps=2, one_program=True) == (128, 128, 8, True, 2)
+    assert sort_launch(1024, 64, num_warps=2, one_program=False) == (128, 128, 8, False, 2)
+    assert sort_launch(128, 64, num_warps=2, one_program=True) == (128, 128, 1, True, 2)
+    with pytest.raises(ValueError, match=r"one chunk \(128 pairs over 64 ids\), got 129 pairs"):
+        sort_launch(129, 64, one_program=True)
 
 
 @pytest.mark.parametrize("device", devices())
