@@ -75,7 +75,7 @@ from expertcache.kernels.admission import admit
 from expertcache.kernels.passes import assign_passes
 from expertcache.kernels.slot_tables import SlotTables
 from expertcache.mover import copy_with_engine, copy_with_kernel, restore_slots
-from expertcache.passes import OVERLAP_MAX_IDS, holds_tail, max_passes
+from expertcache.passes import OVERLAP_MAX_IDS, max_passes
 from expertcache.policies import EvictionPolicy
 
 if TYPE_CHECKING:
@@ -128,12 +128,10 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
 def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False) -> Generator[torch.Tensor]:
     """Device-mode ``SlotPool.passes``: slot ids of each pass (see the module docstring)."""
     overlap = overlap and not torch.compiler.is_compiling()  # a traced op runs on no side stream
-    if overlap and pool.share < layer.num_experts:  # else nothing is missed once warm: one pass
-        tail = holds_tail(topk_ids.numel(), overlap)
-        count = max_passes(topk_ids.numel(), layer.num_experts, pool.share, overlap=True, tail=tail)
-        yield from _overlapped_passes(pool, layer, topk_ids.contiguous(), count, tail)
-        return
     count = max_passes(topk_ids.numel(), layer.num_experts, pool.share, overlap=overlap)
+    if overlap and pool.share < layer.num_experts:  # else nothing is missed once warm: one pass
+        yield from _overlapped_passes(pool, layer, topk_ids.contiguous(), count)
+        return
     if count == 1:
         yield prepare(pool, layer, topk_ids)
         return
@@ -186,9 +184,7 @@ class _Enqueued(NamedTuple):
     copied: torch.cuda.Event | None
 
 
-def _overlapped_passes(
-    pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, count: int, tail: bool
-) -> Iterator[torch.Tensor]:
+def _overlapped_passes(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, count: int) -> Iterator[torch.Tensor]:
     """``count`` passes (one for a call that fits), pass 0 split into its hits and its
     misses, every admission and copy on the pool's copy stream in pass order. Pass g's
     results are yielded once the current stream waits for its admission (hits) or its
@@ -202,7 +198,7 @@ def _overlapped_passes(
     pool.calls_begun += 1
     begun = pool.calls_begun
     try:
-        first = _enqueue_pass(pool, layer, ids, pass_of, 0, split=True, tail_pass=count - 1 if tail else None)
+        first = _enqueue_pass(pool, layer, ids, pass_of, 0, split=True)
         following = _enqueue_pass(pool, layer, ids, pass_of, 1) if count > 1 else None
         pool.passes_owed = True  # the misses' slots are promised: no prefetch may take them meanwhile
         _wait(main, first.admitted)
@@ -242,13 +238,7 @@ def _wait(main: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> Non
 
 
 def _enqueue_pass(
-    pool: SlotPool,
-    layer: PoolLayer,
-    ids: torch.Tensor,
-    pass_of: torch.Tensor,
-    index: int,
-    split: bool = False,
-    tail_pass: int | None = None,
+    pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Tensor, index: int, split: bool = False
 ) -> _Enqueued:
     """Admit pass ``index`` of an overlapped call and copy its misses, both on the pool's
     copy stream after what the current stream holds (atomic like a call: a failure is
@@ -263,8 +253,7 @@ def _enqueue_pass(
         pool.copies_pending = copy_stream is not None  # from here on, the generator's end joins
         with _on_stream(copy_stream), _undone_on_error(pool, pool.tables, named, None):
             if passes is not None and index == 0:
-                assign_passes(pool.tables, ids, layer.global_to_local, passes, overlap=True, tail_pass=tail_pass,
-                              **where)  # fmt: skip
+                assign_passes(pool.tables, ids, layer.global_to_local, passes, overlap=True, **where)
             admit(
                 pool.tables, ids, layer.global_to_local, out, layer=layer.index, passes=passes, pass_index=index,
                 miss_out=misses, key_layer=pool.key_layer, **where,

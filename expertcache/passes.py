@@ -54,15 +54,9 @@ Key = TypeVar("Key")
 #: (twice the passes, each sorting every (token, choice) pair of the call).
 OVERLAP_MAX_IDS = 1024
 
-#: Overlapped calls of at least this many ids hold their last missing key apart, in a pass
-#: of its own after the others (the tail), so what computes after a layer's last copy is
-#: one expert's pairs rather than a whole group's (`holds_tail`). Smaller calls miss few
-#: experts a layer: there the tail's admission would cost more than it hides.
-TAIL_MIN_IDS = 32
-
 
 def group_passes(
-    keys: Sequence[Key], resident: Sequence[bool], num_slots: int, *, overlap: bool = False, tail: bool = False
+    keys: Sequence[Key], resident: Sequence[bool], num_slots: int, *, overlap: bool = False
 ) -> list[tuple[Key, ...]]:
     """The groups of one call, each in first-appearance order.
 
@@ -71,41 +65,27 @@ def group_passes(
         resident: whether each key holds a slot now.
         num_slots: ``S``, keys one pass may hold (the pool's share).
         overlap: the passes overlap (groups of ``S // 2`` when the call does not fit).
-        tail: hold the call's last missing key apart, in a group of its own after the
-            others (empty when nothing is missed; `holds_tail`).
 
     Returns:
         ``ceil(len(keys) / G)`` groups (one, possibly empty, when the call fits in ``S``):
-        the keys, resident ones first, cut into groups of ``G = group_size(...)``; with
-        ``tail``, the groups of the other keys (cut by the same ``G``), then the tail.
+        the keys, resident ones first, cut into groups of ``G = group_size(...)``.
     """
     if num_slots < 1:
         raise ValueError(f"num_slots must be positive, got {num_slots}")
-    if len(keys) <= num_slots and not tail:
+    if len(keys) <= num_slots:
         return [tuple(keys)]
-    size = group_size(len(keys), num_slots, overlap=overlap)  # of the whole call, tail included
-    misses = [index for index, flag in enumerate(resident) if not flag]
-    apart = misses[-1] if tail and misses else None
-    rest = [(key, flag) for index, (key, flag) in enumerate(zip(keys, resident, strict=True)) if index != apart]
-    hits = sum(bool(flag) for _, flag in rest)
-    groups: list[list[Key]] = [[] for _ in range(pass_count(len(rest), size))]
+    size = group_size(len(keys), num_slots, overlap=overlap)
+    hits = sum(bool(flag) for flag in resident)
+    groups: list[list[Key]] = [[] for _ in range(pass_count(len(keys), size))]
     hit_rank = miss_rank = 0
-    for key, flag in rest:
+    for key, flag in zip(keys, resident, strict=True):
         if flag:
             groups[hit_rank // size].append(key)
             hit_rank += 1
         else:
             groups[(hits + miss_rank) // size].append(key)
             miss_rank += 1
-    if tail:
-        groups.append([] if apart is None else [keys[apart]])
     return [tuple(group) for group in groups]
-
-
-def holds_tail(num_ids: int, overlap: bool) -> bool:
-    """Whether a call of ``num_ids`` ids (``T * K``) holds its last missing key apart
-    (`TAIL_MIN_IDS`): overlapped calls of at least that many ids."""
-    return overlap and num_ids >= TAIL_MIN_IDS
 
 
 def group_size(num_keys: int, num_slots: int, *, overlap: bool = False) -> int:
@@ -121,12 +101,9 @@ def pass_count(num_keys: int, group: int) -> int:
     return max(1, -(-num_keys // group))
 
 
-def max_passes(num_ids: int, num_experts: int, num_slots: int, *, overlap: bool = False, tail: bool = False) -> int:
+def max_passes(num_ids: int, num_experts: int, num_slots: int, *, overlap: bool = False) -> int:
     """The most passes a call of ``num_ids`` ids (``T * K``) over ``num_experts`` local
-    experts can take with a share of ``num_slots`` (overlapped or not, with a tail or not):
-    what a CUDA graph of that shape captures. With ``tail`` the last one is the tail's."""
+    experts can take with a share of ``num_slots`` (overlapped or not): what a CUDA graph
+    of that shape captures."""
     most = min(num_ids, num_experts)
-    size = group_size(most, num_slots, overlap=overlap)
-    if tail:
-        return pass_count(most - 1, size) + 1
-    return pass_count(most, size)
+    return pass_count(most, group_size(most, num_slots, overlap=overlap))

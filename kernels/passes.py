@@ -6,8 +6,7 @@ with no host sync (a CUDA graph captures it)::
     keys in first-appearance order (scatter-min of positions), hits = resident keys
     G = S, or S // 2 for overlapped passes of a call of more than S keys
                 (S = the pool's share: `expertcache.layer_shares`)
-    pass(key) = r // G for the r-th hit, (hits + r) // G for the r-th missing key;
-                with a tail, the last missing key takes the tail's pass (the call's last)
+    pass(key) = r // G for the r-th hit, (hits + r) // G for the r-th missing key
     pass[position] = pass(its key); 0 for ids that are not local or not valid
 
 the same groups as `expertcache.passes.group_passes` on the host. Each pass then runs the
@@ -41,8 +40,7 @@ def in_pass(pass_ptr, positions, in_bounds, pass_index, HAS_PASSES: tl.constexpr
 @triton.jit
 def _assign_passes_kernel(
     ids_ptr, global_to_local_ptr, expert_to_slot_ptr, first_seen_ptr, pass_ptr,
-    num_ids, num_global, share, overlap_group, tail_pass, key_offset, BLOCK_IDS: tl.constexpr,
-    HAS_MAP: tl.constexpr,
+    num_ids, num_global, share, overlap_group, key_offset, BLOCK_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     # 1: the first position of every key
     for start in range(0, num_ids, BLOCK_IDS):
@@ -67,7 +65,6 @@ def _assign_passes_kernel(
         num_hits += tl.sum((is_first & (slot >= 0)).to(tl.int32), axis=0)
         num_keys += tl.sum(is_first.to(tl.int32), axis=0)
     size = tl.where(num_keys > share, overlap_group, share)  # `expertcache.passes.group_size`
-    last_miss = tl.where(tail_pass >= 0, num_keys - num_hits - 1, -1)  # the rank of the miss held apart
     # 3: the pass of every first appearance, hits and misses each ranked in first-appearance order
     num_misses = 0
     hits_before = 0
@@ -84,7 +81,6 @@ def _assign_passes_kernel(
         rank = num_misses + tl.cumsum(is_miss.to(tl.int32), axis=0) - 1
         hit_rank = hits_before + tl.cumsum(is_hit.to(tl.int32), axis=0) - 1
         group = tl.where(is_miss, (num_hits + rank) // size, hit_rank // size)
-        group = tl.where(is_miss & (rank == last_miss), tail_pass, group)
         tl.store(pass_ptr + positions, group, mask=is_first)
         num_misses += tl.sum(is_miss.to(tl.int32), axis=0)
         hits_before += tl.sum(is_hit.to(tl.int32), axis=0)
@@ -119,7 +115,6 @@ def assign_passes(
     num_global: int,
     key_offset: int,
     overlap: bool = False,
-    tail_pass: int | None = None,
     block_ids: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -133,8 +128,6 @@ def assign_passes(
             pass serves: other ranks' or invalid ones).
         num_global, key_offset: as in `expertcache.kernels.admission.admit`.
         overlap: group as overlapped passes (`expertcache.passes.group_size`).
-        tail_pass: the pass of the call's last missing key, held apart (`group_passes`'s
-            ``tail``; the last of the call's passes), or None.
         block_ids, num_warps: the launch's ids a step (a power of two) and warps (default:
             `expertcache.kernels._launch.walk_launch`).
     """
@@ -148,7 +141,7 @@ def assign_passes(
     oversize_group = group_size(tables.share + 1, tables.share, overlap=overlap)  # of a call that does not fit
     _assign_passes_kernel[(1,)](
         topk_ids, global_to_local if has_map else topk_ids, tables.expert_to_slot, tables.first_seen, out,
-        topk_ids.numel(), num_global, tables.share, oversize_group, -1 if tail_pass is None else tail_pass, key_offset,
+        topk_ids.numel(), num_global, tables.share, oversize_group, key_offset,
         BLOCK_IDS=block, HAS_MAP=has_map, num_warps=warps,
     )  # fmt: skip
 
@@ -162,7 +155,6 @@ def assign_passes_torch(
     num_global: int,
     key_offset: int,
     overlap: bool = False,
-    tail_pass: int | None = None,
 ) -> None:
     """Reference of `assign_passes`: `expertcache.passes.group_passes` on the host."""
     from expertcache.passes import group_passes
@@ -175,9 +167,7 @@ def assign_passes_torch(
         keys.append(None if local < 0 else key_offset + local)
     unique = list(dict.fromkeys(key for key in keys if key is not None))
     table = tables.expert_to_slot.tolist()
-    tail = tail_pass is not None
-    groups = group_passes(unique, [table[key] >= 0 for key in unique], tables.share, overlap=overlap, tail=tail)
-    group_of = {key: index for index, group in enumerate(groups[:-1] if tail else groups) for key in group}
-    group_of.update({key: tail_pass for key in (groups[-1] if tail else ())})
+    groups = group_passes(unique, [table[key] >= 0 for key in unique], tables.share, overlap=overlap)
+    group_of = {key: index for index, group in enumerate(groups) for key in group}
     passes = [0 if key is None else group_of[key] for key in keys]
     out.copy_(torch.tensor(passes, dtype=torch.int32).view(out.shape))
