@@ -637,6 +637,8 @@ def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Pa
         return None
     width = max(6.5, 5 * len(fractions))
     fig, axes = plt.subplots(1, len(fractions), figsize=(width, 4.5), sharey=True, squeeze=False)
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors: dict[str, str] = {}  # one color per variant in every panel, so the one legend holds
     for axis, fraction in zip(axes[0], fractions, strict=True):
         cache = f"{fraction:.0%}"
         lines: dict[str, list] = {}
@@ -644,7 +646,8 @@ def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Pa
             if "tok_per_s" in row and row["cache"] in ("all", "stream", cache) and "copies only" not in row["variant"]:
                 lines.setdefault(row["variant"], []).append((row["batch"], row["tok_per_s"]))
         for name, points in lines.items():
-            axis.plot(*zip(*sorted(points), strict=True), marker="o", label=name)
+            color = colors.setdefault(name, palette[len(colors) % len(palette)])
+            axis.plot(*zip(*sorted(points), strict=True), marker="o", label=name, color=color)
         axis.set(xscale="log", yscale="log", title=f"{cache} of experts in slots", xlabel="batch size")
         axis.set_xscale("log", base=2)
         axis.grid(True, which="both", alpha=0.3)

@@ -74,6 +74,30 @@ def test_replot_draws_the_newest_default_rows_of_the_given_commits(tmp_path, mon
     assert exit_info.value.code == 2 and "no decode rows of commit ccc" in capsys.readouterr().err
 
 
+def test_plot_gives_a_variant_one_color_in_every_panel(tmp_path, monkeypatch):
+    """The one legend names each variant once, so its line must look the same in every panel,
+    whichever variants a panel lacks (here host at 100%: the device line comes second there)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    bench = bench_module("bench_batch")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    rows = [{"variant": variant, "cache": cache, "batch": batch, "tok_per_s": 10.0 + batch}
+            for variant, caches in (("resident", ["all"]), ("host", ["25%"]), ("device", ["25%", "100%"]))
+            for cache in caches for batch in (1, 2)]  # fmt: skip
+    assert bench.plot(rows, [0.25, 1.0], tmp_path / "plot.png", "title") == tmp_path / "plot.png"
+    (figure,) = figures
+    colors = {}
+    for axis in figure.axes:
+        for line in axis.get_lines():
+            colors.setdefault(line.get_label(), set()).add(line.get_color())
+    assert set(colors) == {"resident", "host", "device"}
+    assert all(len(seen) == 1 for seen in colors.values())
+    assert len({next(iter(seen)) for seen in colors.values()}) == 3
+    plt.close(figure)
+
+
 def test_copy_service_plans_name_distinct_experts_and_slots():
     bench = bench_module("bench_copy_service")
     plans = bench.random_plans(3, 4, 5, torch.Generator().manual_seed(0))
