@@ -555,7 +555,7 @@ def profile_prefill(bench: Bench, build: Callable[[], Variant], hidden, routing,
 def profile_decode(bench: Bench, variant: Variant, batch: int, args) -> None:
     """A few graph replays of one warm decode step under `torch.profiler`: per step, the time
     the copy kernel runs alone, compute runs alone, both run, and the GPU sits idle (launch
-    gaps, waits), and the kernels by total time."""
+    gaps, waits), and the kernels by total time; the Chrome trace's path (one per variant)."""
     import json
 
     from torch.profiler import ProfilerActivity, profile
@@ -599,6 +599,7 @@ def profile_decode(bench: Bench, variant: Variant, batch: int, args) -> None:
         by_name[e["name"][:48]] = by_name.get(e["name"][:48], 0.0) + e["dur"] / replays
     print(f"\nprofile {variant.name} {variant.cache} B={batch}: {total / 1e3:.3f} ms a step (profiled); "
           + ", ".join(f"{k} {v / replays / 1e3:.3f}" for k, v in spans.items()) + " ms")  # fmt: skip
+    print(f"  trace: {path}")
     for name, us in sorted(by_name.items(), key=lambda item: -item[1])[:12]:
         print(f"  {us:9.1f} us  {name}")
     print(f"  while no copy runs ({sum(without_copies.values()) / replays / 1e3:.3f} ms a step):")

@@ -51,10 +51,11 @@ def sort_launch(
     num_pairs: int, num_experts: int, num_warps: int | None = None, one_program: bool | None = None
 ) -> SortLaunch:
     """The launch of a sort of ``num_pairs`` pairs over ``num_experts`` ids; ``None`` takes
-    the measured defaults, one program for a call of one chunk and 8 warps. (Run 57 of
-    benchmarks/bench_routing_launches.py, graphed, us a call: B=16 at top-8 over 64 slots,
-    one chunk, 10.6 in one program at 8 warps, 11.1 in C programs at 8, 17.0 at 4 (the old
-    default); over 32 slots 8.1 / 9.4 / 10.7; in C programs at 2-32 chunks 8 warps took
+    the measured defaults, one program for a call of one chunk and 8 warps. (Runs 57 and 61
+    of benchmarks/bench_routing_launches.py, graphed, us a call: B=16 at top-8 over 64 slots,
+    one chunk, 8.2 in one program at 8 warps (14.0 / 11.0 / 9.3 at 2 / 4 / 16), 11.1 in C
+    programs at 8, 17.0 at 4 (the old default); over 32 slots 7.8 in one program (6.8 at 16
+    warps), 9.4 / 10.6 in C programs at 8 / 4; in C programs at 2-32 chunks 8 warps took
     0.64-0.93 of 4 warps' time; a program walking the chunks in turn took 1.8-3.3x of C
     programs at 2-4 chunks and 7-60x at 8-32, so one program sorts one chunk only.) Refuses
     a bad setting, and one program past one chunk (ValueError)."""
