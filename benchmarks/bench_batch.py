@@ -54,8 +54,10 @@ forward the GPU sat idle.
 
 ``--serial 0.25 0.5``: beside the device rows, ``device serial`` rows at those fractions, whose
 stack asks for passes one after the other (``overlap=False``): the overlap's gain, measured
-in one process. ``--overlap off``: every device cache serves so (no hits-then-misses split,
-no overlapped passes);
+in one process. ``--unlanded 0.25 0.5``: ``device unlanded`` rows whose apply waits for each
+pass's whole copy instead of each expert's landing count (`expertcache.kernels.landing`): the
+counts' gain, in one process. ``--overlap off``: every device cache serves so (no
+hits-then-misses split, no overlapped passes);
 ``--chain off``: no programmatic dependent launch between the decode kernels; ``--copy-priority
 default``: the pools' copy streams at the default priority, not above the apply's (ablations).
 
@@ -196,6 +198,7 @@ class Variant:
     right: int | None = None  # prefetch: true ids among the K guesses an oracle makes per token
     copies_only: bool = False  # the floor: the step without its expert compute (admissions and copies kept)
     overlap: bool = True  # False: the stack asks for passes one after the other (``--serial``)
+    landing: bool = True  # False: the apply waits for a pass's whole copy, not each expert (``--unlanded``)
 
 
 def cached(
@@ -224,6 +227,10 @@ def copies_only(bench: Bench, fraction: float) -> Variant:
 
 def serial(bench: Bench, fraction: float) -> Variant:
     return dataclasses.replace(cached(bench, fraction, "device", False), name="device serial", overlap=False)
+
+
+def unlanded(bench: Bench, fraction: float) -> Variant:
+    return dataclasses.replace(cached(bench, fraction, "device", False), name="device unlanded", landing=False)
 
 
 def drain_passes(hidden: torch.Tensor, results, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -256,6 +263,7 @@ def variant_builders(
     prefetch: list[float],
     floor: list[float],
     serial_at: list[float],
+    unlanded_at: list[float] = (),  # type: ignore[assignment]
 ) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
@@ -270,6 +278,8 @@ def variant_builders(
             builders.append((f"device copies only {fraction:.0%}", functools.partial(copies_only, bench, fraction)))
         if fraction in serial_at:
             builders.append((f"device serial {fraction:.0%}", functools.partial(serial, bench, fraction)))
+        if fraction in unlanded_at:
+            builders.append((f"device unlanded {fraction:.0%}", functools.partial(unlanded, bench, fraction)))
         if fraction in prefetch:
             for right in sorted({bench.shape["top_k"], 3 * bench.shape["top_k"] // 4}, reverse=True):
                 label = f"device prefetch {right}/{bench.shape['top_k']} {fraction:.0%}"
@@ -288,6 +298,8 @@ def make_stack(bench: Bench, variant: Variant) -> DecodeStack:
         options = {"apply": drain_passes, "overlap": overlap}
     elif not overlap:
         options["overlap"] = False
+    if not variant.landing and not variant.copies_only:
+        options["landing"] = False
     shape = bench.shape
     return DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=bench.device,
                        **options)  # fmt: skip
@@ -371,6 +383,8 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
                                          overlap=bench.overlap and variant.overlap))  # fmt: skip
     if not variant.overlap:
         row["overlap"] = "off"
+    if not variant.landing:
+        row["landing"] = "off"
     if variant.right is not None:
         row.update(right=variant.right, mb_prefetched_per_step=prefetched / 1e6)
     if "coded" in variant.name:  # PCIe carried the coded bytes
@@ -477,7 +491,8 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
                        reference)  # fmt: skip
     save(rows)
     providers.clear()
-    builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor, args.serial)
+    builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor, args.serial,
+                                args.unlanded)  # fmt: skip
     if args.only:
         builders = [(label, build) for label, build in builders if any(part in label for part in args.only)]
         if not builders:
@@ -698,6 +713,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--serial", type=float, nargs="*", default=[], metavar="FRACTION",
                         help="device mode at these fractions with passes one after the other (no overlap), beside "
                              "the overlapped rows: the overlap's gain in one process")  # fmt: skip
+    parser.add_argument("--unlanded", type=float, nargs="*", default=[], metavar="FRACTION",
+                        help="device mode at these fractions whose apply waits for each pass's whole copy (no "
+                             "landing counts), beside the device rows: the landing counts' gain in one "
+                             "process")  # fmt: skip
     parser.add_argument(
         "--overlap",
         choices=("on", "off"),
@@ -737,7 +756,7 @@ def parse_args() -> argparse.Namespace:
     if args.prefill and args.prefetch != parser.get_default("prefetch"):
         parser.error("--prefetch runs in decode mode only (a prefill forward has no next token to guess for)")
     if not args.prefill:  # a decode run serves these only at its own fractions
-        for flag in ("coded", "prefetch", "floor", "serial"):
+        for flag in ("coded", "prefetch", "floor", "serial", "unlanded"):
             extra = sorted(set(getattr(args, flag)) - set(args.fractions))
             if extra and getattr(args, flag) != parser.get_default(flag):
                 parser.error(f"--{flag} {' '.join(map(str, extra))} is not among --fractions {args.fractions}")
@@ -786,8 +805,9 @@ def build_bench(args) -> tuple[Bench, list[dict]]:
     return bench, resident
 
 
-#: The settings (--overlap, --chain, --copy-priority) whose rows `replot` draws: the defaults, not ablations.
-PLOTTED = ("on", "on", "high")
+#: The settings (--overlap, --chain, --copy-priority, landing counts) whose rows `replot` draws: the
+#: defaults, not ablations (``--unlanded`` rows say ``landing`` off).
+PLOTTED = ("on", "on", "high", "on")
 
 
 def replot_rows(commits: list[str]) -> list[dict]:
@@ -803,7 +823,8 @@ def replot_rows(commits: list[str]) -> list[dict]:
     newest: dict[tuple, dict] = {}
     with path.open(newline="") as handle:
         for row in csv.DictReader(handle):
-            ablation = (row.get("overlap") or "on", row.get("chain") or "on", row.get("copy_priority") or "high")
+            ablation = (row.get("overlap") or "on", row.get("chain") or "on", row.get("copy_priority") or "high",
+                        row.get("landing") or "on")  # fmt: skip
             if row["commit"] in commits and row.get("tok_per_s") and not row.get("error") and ablation == PLOTTED:
                 newest[(row["variant"], row["cache"], int(row["batch"]))] = row
     if not newest:

@@ -23,7 +23,7 @@ from expertcache.layout import layout_from_weights
 from expertcache.manifest import Manifest, build_manifest
 from expertcache.policies import EvictionPolicy
 from expertcache.provider import ExpertWeightProvider, result_from_tensors
-from expertcache.result import ExpertWeightResult
+from expertcache.result import ExpertWeightResult, Landing
 from expertcache.slot_pool import SlotPool
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore, check_compression
@@ -194,7 +194,9 @@ class CachedWeightProvider(ExpertWeightProvider):
         """
         self.pool.prefetch(self.layer, expert_ids)
 
-    def passes(self, topk_ids: torch.Tensor, *, overlap: bool = False) -> Iterator[ExpertWeightResult]:
+    def passes(
+        self, topk_ids: torch.Tensor, *, overlap: bool = False, landing: bool = False
+    ) -> Iterator[ExpertWeightResult]:
         """Serve a call of any size, in expert-group passes when its experts exceed the slots.
 
         Args:
@@ -205,6 +207,11 @@ class CachedWeightProvider(ExpertWeightProvider):
                 while the pass before computes), and device mode serves the first pass (the
                 whole call, when it fits) as its hits (computed while the misses are copied
                 on a side stream) and then its misses (`SlotPool.passes`).
+            landing: the caller's kernel waits on ``result.landing`` counters before it
+                reads a slot (`expertcache.kernels.landing`; `moe_apply_passes` does): an
+                overlapped device-mode call then hands over its copied passes once they are
+                admitted, and the kernel starts on each expert as it lands. Elsewhere
+                (`SlotPool.passes`) the results carry no counters.
 
         Returns:
             An iterator of `ExpertWeightResult` (slot tensors as from ``prepare``), one per
@@ -221,13 +228,15 @@ class CachedWeightProvider(ExpertWeightProvider):
         Raises:
             As ``prepare`` (never `CacheCapacityError`); bad ids raise before anything runs.
         """
-        return _results(self.pool.tensors, self.pool.passes(self.layer, topk_ids, overlap=overlap))
+        return _results(self.pool.tensors, self.pool.passes(self.layer, topk_ids, overlap=overlap, landing=landing))
 
 
-def _results(tensors: Mapping[str, torch.Tensor], slot_ids: Generator[torch.Tensor]) -> Iterator[ExpertWeightResult]:
-    with contextlib.closing(slot_ids):  # a caller's close() reaches the pool's passes at once
-        for ids in slot_ids:
-            yield result_from_tensors(tensors, ids)
+def _results(
+    tensors: Mapping[str, torch.Tensor], passes: Generator[tuple[torch.Tensor, Landing | None]]
+) -> Iterator[ExpertWeightResult]:
+    with contextlib.closing(passes):  # a caller's close() reaches the pool's passes at once
+        for ids, landing in passes:
+            yield result_from_tensors(tensors, ids, landing)
 
 
 def _check_shared_pool(pool: object, **settings: object) -> None:

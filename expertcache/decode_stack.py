@@ -37,7 +37,7 @@ from expertcache.kernels.quant_passes import moe_apply_quant_passes
 from expertcache.passes import OVERLAP_MAX_IDS
 from expertcache.provider import ExpertWeightProvider
 from expertcache.result import ExpertWeightResult
-from expertcache.validation import check_overlap
+from expertcache.validation import check_flag, check_overlap
 
 if TYPE_CHECKING:
     from expertcache.cached_provider import CachedWeightProvider
@@ -64,6 +64,11 @@ class DecodeStack:
             misses are copied), for calls of at most `OVERLAP_MAX_IDS` ids: only for an
             ``apply`` that sums passes exactly. Default (None): on for `moe_apply_passes`
             and `moe_apply_quant_passes`, off for any other ``apply``.
+        landing: with ``overlap``, let a device-mode cache hand over its copied passes with
+            landing counters (``provider.passes(ids, overlap=True, landing=True)``), so the
+            apply starts on each expert as it lands: only for an ``apply`` that waits on
+            them (`expertcache.kernels.landing`). Default (None): on for `moe_apply_passes`
+            (and a ``functools.partial`` of it) when ``overlap`` is, off otherwise.
     """
 
     def __init__(
@@ -77,11 +82,17 @@ class DecodeStack:
         seed: int = 0,
         apply: ExpertApply = moe_apply_passes,
         overlap: bool | None = None,
+        landing: bool | None = None,
     ) -> None:
         self.apply = apply
         if overlap is None:
             overlap = apply in (moe_apply_passes, moe_apply_quant_passes)
         self.overlap = check_overlap(overlap)
+        if landing is None:
+            landing = self.overlap and getattr(apply, "func", apply) is moe_apply_passes
+        self.landing = check_flag("landing", landing)
+        if self.landing and not self.overlap:
+            raise ValueError("landing needs overlap: only overlapped passes hand over copies still arriving")
         gen = torch.Generator().manual_seed(seed)
         scale = hidden_size**-0.5
         self.providers = list(providers)
@@ -121,7 +132,12 @@ class DecodeStack:
             if prefetch is not None and layer + 1 < self.num_layers:  # device-mode caches (checked above)
                 cast("CachedWeightProvider", self.providers[layer + 1]).prefetch(prefetch[layer + 1])
             overlap = self.overlap and ids.numel() <= OVERLAP_MAX_IDS
-            results = provider.passes(ids, overlap=True) if overlap else provider.passes(ids)
+            if not overlap:
+                results = provider.passes(ids)
+            elif self.landing:  # asked only then: a provider written before landing takes overlap alone
+                results = provider.passes(ids, overlap=True, landing=True)
+            else:
+                results = provider.passes(ids, overlap=True)
             h = h + self.apply(h, results, weights)
         return h
 

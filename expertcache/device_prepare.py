@@ -49,6 +49,15 @@ and pass 0 is served as its hits, then its misses, so the hits' compute hides it
 Pass g + 1 is enqueued just before pass g is yielded (passes 0 and 1 together), so its
 copies run while pass g computes.
 
+With ``landing=True`` (a caller whose kernel waits on `expertcache.result.Landing`
+counters, as `expertcache.kernels.moe_apply_passes` does) the admission also zeroes a
+counter per slot and the copy kernel counts each expert's chunks into it
+(`expertcache.kernels.landing`); the current stream then waits for each pass's admission,
+not its copies, and the pass comes with its counters, so its kernel starts on each expert
+as it lands. Only where the copy kernel is launched while the admission runs (sm_90+,
+`expertcache.kernels._launch.chains_launches`) or under the interpreter; elsewhere, and
+for decoded (coded) stores, the passes come as without it (no counters).
+
 ``prefetch(ids)`` admits and copies predicted experts on the pool's copy stream (counted
 apart, in the ``prefetched`` counters); the pool's next call joins that stream first::
 
@@ -70,13 +79,14 @@ from expertcache.call_guards import deferred_interrupts
 from expertcache.call_plan import Load
 from expertcache.errors import CacheCapacityError
 from expertcache.host_prepare import local_keys
-from expertcache.kernels._launch import on_device
+from expertcache.kernels._launch import chains_launches, on_device
 from expertcache.kernels.admission import admit
 from expertcache.kernels.passes import assign_passes
 from expertcache.kernels.slot_tables import SlotTables
-from expertcache.mover import copy_with_engine, copy_with_kernel, restore_slots
+from expertcache.mover import copy_with_engine, copy_with_kernel, landing_target, restore_slots
 from expertcache.passes import OVERLAP_MAX_IDS, max_passes
 from expertcache.policies import EvictionPolicy
+from expertcache.result import Landing
 
 if TYPE_CHECKING:
     from expertcache.slot_pool import PoolLayer, SlotPool
@@ -125,21 +135,33 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
     return _run(pool, layer, topk_ids.contiguous(), pool.no_passes, 0)
 
 
-def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False) -> Generator[torch.Tensor]:
-    """Device-mode ``SlotPool.passes``: slot ids of each pass (see the module docstring)."""
+def passes(
+    pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bool = False, landing: bool = False
+) -> Generator[tuple[torch.Tensor, Landing | None]]:
+    """Device-mode ``SlotPool.passes``: slot ids of each pass, and the landing counters the
+    caller's kernel waits on (only for an overlapped call with ``landing``; see the module
+    docstring)."""
     overlap = overlap and not torch.compiler.is_compiling()  # a traced op runs on no side stream
     count = max_passes(topk_ids.numel(), layer.num_experts, pool.share, overlap=overlap)
     if overlap and pool.share < layer.num_experts:  # else nothing is missed once warm: one pass
-        yield from _overlapped_passes(pool, layer, topk_ids.contiguous(), count)
+        target = landing_target(layer.copy_groups) if landing and _lands_apart(pool) else None
+        yield from _overlapped_passes(pool, layer, topk_ids.contiguous(), count, target)
         return
     if count == 1:
-        yield prepare(pool, layer, topk_ids)
+        yield prepare(pool, layer, topk_ids), None
         return
     ids = topk_ids.contiguous()
     with torch.inference_mode(False):
         pass_of = torch.empty(ids.shape, dtype=torch.int32, device=pool.device)
     for index in range(count):
-        yield _run(pool, layer, ids, pass_of, index)
+        yield _run(pool, layer, ids, pass_of, index), None
+
+
+def _lands_apart(pool: SlotPool) -> bool:
+    """Whether an apply may wait on landing counts on this pool's device: under the
+    interpreter (programs run in order), or where the copy kernel is launched while the
+    admission runs (programmatic launch), so it holds its SMs before any apply waits on it."""
+    return pool.device.type != "cuda" or chains_launches(pool.device)
 
 
 def _run(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Tensor, index: int) -> torch.Tensor:
@@ -175,21 +197,32 @@ def _capacity(pool: SlotPool) -> str:
 
 class _Enqueued(NamedTuple):
     """One overlapped pass on the copy stream: its slot ids (hits only for a split pass),
-    the misses' slot ids of a split pass, and the events after its admission and copies
-    (None without a copy stream: then all of it ran on the current stream)."""
+    the misses' slot ids of a split pass, its landing counters (or None), and the events
+    after its admission and copies (None without a copy stream: then all of it ran on the
+    current stream)."""
 
     slot_ids: torch.Tensor
     miss_slot_ids: torch.Tensor | None
+    landing: Landing | None
     admitted: torch.cuda.Event | None
     copied: torch.cuda.Event | None
 
+    @property
+    def ready(self) -> torch.cuda.Event | None:
+        """What the current stream waits for before the pass's copied slots are read: the
+        admission when a kernel waits on the landing counters, else the copies."""
+        return self.admitted if self.landing is not None else self.copied
 
-def _overlapped_passes(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, count: int) -> Iterator[torch.Tensor]:
+
+def _overlapped_passes(
+    pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, count: int, target: int | None
+) -> Iterator[tuple[torch.Tensor, Landing | None]]:
     """``count`` passes (one for a call that fits), pass 0 split into its hits and its
     misses, every admission and copy on the pool's copy stream in pass order. Pass g's
-    results are yielded once the current stream waits for its admission (hits) or its
-    copies; pass g + 1 is enqueued before pass g is yielded, after the caller's kernels
-    of pass g - 1: the slots it overwrites are only ever those of passes before g."""
+    results are yielded once the current stream waits for its admission (hits, or with
+    landing counts, ``target`` not None) or its copies; pass g + 1 is enqueued before pass
+    g is yielded, after the caller's kernels of pass g - 1: the slots it overwrites are only
+    ever those of passes before g."""
     pass_of = pool.no_passes
     if count > 1:
         with torch.inference_mode(False):
@@ -197,25 +230,31 @@ def _overlapped_passes(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, coun
     main = torch.cuda.current_stream(pool.device) if pool.copy_stream() is not None else None
     pool.calls_begun += 1
     begun = pool.calls_begun
+    enqueued: list[_Enqueued] = []  # their counters live until the copy stream is joined
+
+    def enqueue(index: int, split: bool = False) -> _Enqueued:
+        enqueued.append(_enqueue_pass(pool, layer, ids, pass_of, index, target, split))
+        return enqueued[-1]
+
     try:
-        first = _enqueue_pass(pool, layer, ids, pass_of, 0, split=True)
-        following = _enqueue_pass(pool, layer, ids, pass_of, 1) if count > 1 else None
+        first = enqueue(0, split=True)
+        following = enqueue(1) if count > 1 else None
         pool.passes_owed = True  # the misses' slots are promised: no prefetch may take them meanwhile
         _wait(main, first.admitted)
-        yield first.slot_ids
+        yield first.slot_ids, None
         _check_no_call_between(pool, begun)
         pool.passes_owed = count > 1
-        _wait(main, first.copied)
+        _wait(main, first.ready)
         assert first.miss_slot_ids is not None  # a split pass
-        yield first.miss_slot_ids
+        yield first.miss_slot_ids, first.landing
         for index in range(1, count):
             _check_no_call_between(pool, begun)
             current = following
             assert current is not None  # enqueued one pass ahead
-            following = _enqueue_pass(pool, layer, ids, pass_of, index + 1) if index + 1 < count else None
+            following = enqueue(index + 1) if index + 1 < count else None
             pool.passes_owed = following is not None
-            _wait(main, current.copied)
-            yield current.slot_ids
+            _wait(main, current.ready)
+            yield current.slot_ids, current.landing
     finally:
         pool.passes_owed = False
         join_copies(pool)  # the caller stopped early, or the last pass: join the copy stream
@@ -238,14 +277,22 @@ def _wait(main: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> Non
 
 
 def _enqueue_pass(
-    pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Tensor, index: int, split: bool = False
+    pool: SlotPool,
+    layer: PoolLayer,
+    ids: torch.Tensor,
+    pass_of: torch.Tensor,
+    index: int,
+    target: int | None,
+    split: bool = False,
 ) -> _Enqueued:
     """Admit pass ``index`` of an overlapped call and copy its misses, both on the pool's
     copy stream after what the current stream holds (atomic like a call: a failure is
-    undone there). The outputs are allocated on the current stream, which reads them."""
+    undone there), counting what lands when ``target`` is given. The outputs are allocated
+    on the current stream, which reads them."""
     copy_stream = pool.copy_stream()
     out = torch.empty_like(ids)
     misses = torch.empty_like(ids) if split else None
+    landed = None if target is None else torch.empty(pool.num_slots, dtype=torch.int32, device=pool.device)
     named = dict(pool.tensors)
     passes = pass_of if pass_of.numel() else None
     where = dict(num_global=layer.num_global, key_offset=layer.key_offset)
@@ -256,12 +303,13 @@ def _enqueue_pass(
                 assign_passes(pool.tables, ids, layer.global_to_local, passes, overlap=True, **where)
             admit(
                 pool.tables, ids, layer.global_to_local, out, layer=layer.index, passes=passes, pass_index=index,
-                miss_out=misses, key_layer=pool.key_layer, **where,
+                miss_out=misses, key_layer=pool.key_layer, landed=landed, landed_target=target or 0, **where,
             )  # fmt: skip
-            admitted = _recorded(copy_stream) if split else None
-            copy_with_kernel(named, layer.store, pool.tables.plan, layer.copy_groups)
+            admitted = _recorded(copy_stream) if split or landed is not None else None
+            copy_with_kernel(named, layer.store, pool.tables.plan, layer.copy_groups, landed)
             copied = _recorded(copy_stream)
-    return _Enqueued(out, misses, admitted, copied)
+    landing = None if landed is None or target is None else Landing(landed, target)
+    return _Enqueued(out, misses, landing, admitted, copied)
 
 
 def _recorded(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:

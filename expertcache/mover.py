@@ -140,19 +140,31 @@ def copy_groups(store: CPUBackingStore, device: torch.device | None = None) -> t
     return tuple(groups)
 
 
+def landing_target(groups: Sequence[CopyGroup | DecodeGroup]) -> int | None:
+    """The landing count of one expert over ``groups`` (`expertcache.kernels.landing`): the
+    copy kernel's chunks of every group; None when a group is decoded (no landing counts)."""
+    if not all(isinstance(group, CopyGroup) for group in groups):
+        return None
+    return sum(group.segments.chunks_per_expert for group in groups)  # type: ignore[union-attr]
+
+
 def copy_with_kernel(
     slots: Mapping[str, torch.Tensor],
     store: CPUBackingStore,
     plan: torch.Tensor,
     groups: Sequence[CopyGroup | DecodeGroup],
+    landed: torch.Tensor | None = None,
 ) -> None:
-    """Execute ``plan`` (on the device) from ``store`` into the slot tensors: one launch per group."""
+    """Execute ``plan`` (on the device) from ``store`` into the slot tensors: one launch per
+    group; each counts its chunks into ``landed`` when given (copy groups only)."""
+    if landed is not None and landing_target(groups) is None:
+        raise ValueError("landing counts need copy groups only (a decoded group counts nothing)")
     for group in groups:
         targets = [slots[name] for name in group.names]
         if isinstance(group, CopyGroup):
             copy_experts(
                 store.buffer, targets, CopyPlan.of(plan), group.segments,
-                unit=group.unit or store.layout.copy_unit, num_experts=store.num_experts,
+                unit=group.unit or store.layout.copy_unit, num_experts=store.num_experts, landed=landed,
             )  # fmt: skip
         elif runs_on(targets[0]):
             decode_copy(

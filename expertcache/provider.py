@@ -21,9 +21,9 @@ import torch
 
 from expertcache.kernels import remap_topk_ids
 from expertcache.layout import layout_from_weights
-from expertcache.result import ExpertWeightResult
+from expertcache.result import ExpertWeightResult, Landing
 from expertcache.stats import CacheStats
-from expertcache.validation import check_expert_map, check_overlap, check_topk_ids
+from expertcache.validation import check_expert_map, check_flag, check_overlap, check_topk_ids
 
 _NAMED = ("w1", "w2", "w1_scale", "w2_scale")
 
@@ -48,7 +48,9 @@ class ExpertWeightProvider(ABC):
             here; the kernel skips it).
         """
 
-    def passes(self, topk_ids: torch.Tensor, *, overlap: bool = False) -> Iterator[ExpertWeightResult]:
+    def passes(
+        self, topk_ids: torch.Tensor, *, overlap: bool = False, landing: bool = False
+    ) -> Iterator[ExpertWeightResult]:
         """Serve a call of any size as one or more results (``prepare`` is the one-pass case).
 
         Args:
@@ -57,6 +59,10 @@ class ExpertWeightProvider(ABC):
                 choice) rows summed once, as `expertcache.kernels.moe_apply_passes`), so a
                 cache may split a call to overlap its copies with compute. A provider with
                 nothing to copy serves the call as usual.
+            landing: the caller's kernel waits on a result's `Landing` counters before it
+                reads a slot (`expertcache.kernels.landing`), so a cache may hand over a pass
+                whose copies are still arriving. A provider with nothing to copy yields no
+                counters (``result.landing`` None).
 
         Yields:
             `ExpertWeightResult` per pass; its ``topk_ids`` hold this pass's ids remapped
@@ -67,10 +73,13 @@ class ExpertWeightProvider(ABC):
         A provider that holds every expert yields ``prepare(topk_ids)`` once.
         """
         check_overlap(overlap)
+        check_flag("landing", landing)
         return (self.prepare(topk_ids) for _ in range(1))  # prepared when first asked for, as a generator
 
 
-def result_from_tensors(tensors: Mapping[str, torch.Tensor], topk_ids: torch.Tensor) -> ExpertWeightResult:
+def result_from_tensors(
+    tensors: Mapping[str, torch.Tensor], topk_ids: torch.Tensor, landing: Landing | None = None
+) -> ExpertWeightResult:
     """Sort registered tensors into the fixed fields of `ExpertWeightResult` and ``extra``."""
     return ExpertWeightResult(
         w1=tensors["w1"],
@@ -79,6 +88,7 @@ def result_from_tensors(tensors: Mapping[str, torch.Tensor], topk_ids: torch.Ten
         w1_scale=tensors.get("w1_scale"),
         w2_scale=tensors.get("w2_scale"),
         extra={name: t for name, t in tensors.items() if name not in _NAMED},
+        landing=landing,
     )
 
 

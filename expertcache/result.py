@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+
+
+class Landing(NamedTuple):
+    """A pass whose copies may still be arriving (`expertcache.kernels.landing`).
+
+    Attributes:
+        counts: ``[N]`` int32 on the slots' device: slot ``s`` holds its expert once
+            ``counts[s] >= target`` (read it on the device, in the kernel that reads the slot).
+        target: an expert's chunks over the layer's copy groups.
+    """
+
+    counts: torch.Tensor
+    target: int
 
 
 @dataclass(frozen=True)
@@ -22,6 +36,10 @@ class ExpertWeightResult:
         w2_scale: per-expert scales of ``w2`` in the same index space, or None.
         extra: any other registered per-expert tensor (biases, MXFP4 scales, ...), by the
             name it was registered under, in the same index space.
+        landing: None (every slot of ``topk_ids`` holds its expert once the kernel's stream
+            reaches it), or, only for a caller that asked for it (``provider.passes(ids,
+            overlap=True, landing=True)``), the `Landing` counters its kernel must wait on,
+            per slot, before reading a slot (`expertcache.kernels.moe_apply_passes` does).
 
     Layout: every tensor is contiguous, so entry ``s`` of tensor ``t`` (``s < num_slots``)
     starts at ``t.data_ptr() + s * t[0].nbytes`` and kernels that index a pool by raw
@@ -40,6 +58,7 @@ class ExpertWeightResult:
     w1_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    landing: Landing | None = None
 
     @property
     def num_slots(self) -> int:

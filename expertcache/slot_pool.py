@@ -41,7 +41,8 @@ from expertcache.mover import MOVERS, POISON, CopyExpert, CopyGroup, DecodeGroup
 from expertcache.policies import EvictionPolicy, claim_policy, make_policy
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
-from expertcache.validation import check_mode_device, check_overlap, check_topk_ids, resolve_device
+from expertcache.result import Landing
+from expertcache.validation import check_flag, check_mode_device, check_overlap, check_topk_ids, resolve_device
 
 MODES = ("host", "device")
 
@@ -51,6 +52,8 @@ MODES = ("host", "device")
 #: instantiates graphs with per-node priorities). 0: the default priority (an ablation).
 #: Measured on raw per-layer device caches at batch 4-16 only (benchmarks/README.md, run 51).
 COPY_STREAM_PRIORITY = -1
+
+_Pass = tuple[torch.Tensor, "Landing | None"]  # a pass's slot ids, and its landing counters
 
 
 @dataclass(frozen=True)
@@ -257,7 +260,9 @@ class SlotPool:
         self._started = True  # the tables now hold state: they keep their addresses
         return slot_ids
 
-    def passes(self, layer: PoolLayer, topk_ids: torch.Tensor, *, overlap: bool = False) -> Generator[torch.Tensor]:
+    def passes(
+        self, layer: PoolLayer, topk_ids: torch.Tensor, *, overlap: bool = False, landing: bool = False
+    ) -> Generator[tuple[torch.Tensor, Landing | None]]:
         """Serve a call of any size in expert-group passes (`expertcache.passes`).
 
         Args:
@@ -270,10 +275,17 @@ class SlotPool:
                 comes as two, its hits at once (computed while its misses are copied), then
                 its misses. Device mode under ``torch.compile`` (no streams in a traced op)
                 serves the call as without overlap.
+            landing: the caller's kernel waits on `expertcache.result.Landing` counters
+                (`expertcache.kernels.landing`): an overlapped device-mode call then hands
+                its copied passes over once admitted, with their counters, instead of once
+                copied. Where counters cannot be used (host mode, decoded stores, a GPU
+                without programmatic launch, a call that is not overlapped) the passes come
+                without them, every slot filled as without ``landing``.
 
         Returns:
-            An iterator of ``[T, K]`` slot ids, one per pass: this pass's ids remapped,
-            -1 for the ids of other passes (and for other ranks' experts). Host mode takes
+            An iterator of ``(slot ids, landing)``, one per pass. Slot ids are ``[T, K]``:
+            this pass's ids remapped, -1 for the ids of other passes (and for other ranks'
+            experts); ``landing`` is the pass's `Landing` counters or None. Host mode takes
             ``ceil(distinct experts / G)`` passes (``G`` keys a group); device mode always
             `expertcache.passes.max_passes` (no sync; the unneeded ones are empty), one more
             when the first pass is split (hits, then misses). Each pass is atomic: an error
@@ -289,9 +301,10 @@ class SlotPool:
             raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
         check_topk_ids(topk_ids, self.device)
         check_overlap(overlap)
+        check_flag("landing", landing)
         if self.mode == "device":
-            return self._started_by(device_prepare.passes(self, layer, topk_ids, overlap))
-        return self._started_by(host_prepare.passes(self, layer, topk_ids, overlap))
+            return self._started_by(device_prepare.passes(self, layer, topk_ids, overlap, landing))
+        return self._started_by((ids, None) for ids in host_prepare.passes(self, layer, topk_ids, overlap))
 
     def prefetch(self, layer: PoolLayer, expert_ids: torch.Tensor) -> None:
         """Start loading experts a predictor expects ``layer`` to need (device mode).
@@ -362,11 +375,11 @@ class SlotPool:
             self._copy_stream = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY)
         return self._copy_stream
 
-    def _started_by(self, slot_ids: Generator[torch.Tensor]) -> Generator[torch.Tensor]:
-        with contextlib.closing(slot_ids):  # a caller's close() reaches the passes at once, not at collection
-            for ids in slot_ids:
+    def _started_by(self, passes: Generator[_Pass]) -> Generator[_Pass]:
+        with contextlib.closing(passes):  # a caller's close() reaches the passes at once, not at collection
+            for served in passes:
                 self._started = True
-                yield ids
+                yield served
 
     # -- read-only views (they read the device tables: call them outside CUDA graphs) -------
 

@@ -52,11 +52,17 @@ def check_mode_device(device: torch.device) -> None:
         )
 
 
+def check_flag(name: str, value: object) -> bool:
+    """A promise such as ``passes(..., overlap=)`` or ``landing=`` is a bool (a truthy
+    string or tensor is not a promise)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_overlap(overlap: object) -> bool:
-    """``passes(..., overlap=)`` is a bool (a truthy string or tensor is not a promise)."""
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be True or False, got {overlap!r}")
-    return overlap
+    """``passes(..., overlap=)`` is a bool."""
+    return check_flag("overlap", overlap)
 
 
 def check_topk_ids(topk_ids: object, device: torch.device, *, name: str = "topk_ids") -> torch.Tensor:

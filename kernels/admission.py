@@ -51,6 +51,8 @@ def admit(
     key_layer: torch.Tensor | None = None,
     num_warps: int | None = None,
     block_ids: int | None = None,
+    landed: torch.Tensor | None = None,
+    landed_target: int = 0,
 ) -> None:
     """Admit one call on the device: update ``tables``, write the plan and the slot ids.
 
@@ -78,6 +80,10 @@ def admit(
             more than 1,024 slots).
         block_ids: ids the large-call kernel reads a step, a power of two from 16 to 65,536
             (default: `walk_launch`'s); the small-call kernel holds the whole call.
+        landed: optional ``[S]`` int32 landing counters of this call (`expertcache.kernels.landing`):
+            zeroed, then ``landed_target`` written at every hit's slot; the copy kernel counts
+            the misses' slots up to it.
+        landed_target: chunks one expert takes over the layer's copy groups (positive).
     """
     if not runs_on(topk_ids):
         raise RuntimeError("device admission needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
@@ -107,20 +113,33 @@ def admit(
         raise ValueError("miss_out must be a contiguous tensor like out")
     common["SPLIT"] = miss_out is not None
     miss_out = out if miss_out is None else miss_out  # any pointer of out's type when unused
+    check_landed(landed, landed_target, num_slots, topk_ids.device)
+    common["HAS_LANDED"] = landed is not None
+    landed_arg = landed if landed is not None else tables.slot_to_key  # any int32 pointer when unused
     block, warps = walk_launch(num_ids, block_ids, num_warps, min_warps=8 if block_slots > 1024 else 4)  # checks both
     if num_ids <= SMALL_CALL:
         _admit_small_kernel[(1,)](
             topk_ids, mapping, out, miss_out, *state, tables.plan, tables.miss_stamp, tables.counters, layers,
-            pass_of, num_ids, num_global, num_slots, key_offset, layer, tables.share, pass_index,
-            BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=num_warps or 4, **common,
+            pass_of, landed_arg, num_ids, num_global, num_slots, key_offset, layer, tables.share, pass_index,
+            landed_target, BLOCK_IDS=max(16, triton.next_power_of_2(num_ids)), num_warps=num_warps or 4, **common,
         )  # fmt: skip
     else:
         _admit_kernel[(1,)](
             topk_ids, mapping, out, miss_out, *state, tables.first_seen, tables.plan, tables.miss_stamp,
-            tables.counters, layers, pass_of, num_ids, num_global, num_slots, key_offset, layer, tables.share,
-            pass_index,
+            tables.counters, layers, pass_of, landed_arg, num_ids, num_global, num_slots, key_offset, layer,
+            tables.share, pass_index, landed_target,
             BLOCK_IDS=block, num_warps=warps, **common,
         )  # fmt: skip
+
+
+def check_landed(landed: torch.Tensor | None, target: int, num_slots: int, device: torch.device) -> None:
+    """Refuse landing counters that are not ``[S]`` int32 on ``device``, or a target below one."""
+    if landed is None:
+        return
+    if landed.dtype != torch.int32 or landed.shape != (num_slots,) or landed.device != device:
+        raise ValueError(f"landed must be an int32 counter per slot ({num_slots}) on {device}")
+    if not isinstance(target, int) or target < 1:
+        raise ValueError(f"landed_target must be a positive int (an expert's chunks), got {target!r}")
 
 
 def admit_torch(
@@ -136,8 +155,13 @@ def admit_torch(
     pass_index: int = 0,
     miss_out: torch.Tensor | None = None,
     key_layer: torch.Tensor | None = None,
+    landed: torch.Tensor | None = None,
+    landed_target: int = 0,
 ) -> None:
-    """Reference of `admit`, one key at a time in Python (same tables, plan and counters)."""
+    """Reference of `admit`, one key at a time in Python (same tables, plan, counters and
+    landing counters)."""
+    if landed is not None:
+        landed.zero_()
     flat = topk_ids.reshape(-1).tolist()
     in_call = [True] * len(flat) if passes is None else [p == pass_index for p in passes.reshape(-1).tolist()]
     mapping = None if global_to_local is None else global_to_local.tolist()
@@ -163,6 +187,8 @@ def admit_torch(
         slot = int(e2s[key])
         if slot >= 0:
             last[slot] = base + ordinal
+            if landed is not None:
+                landed[slot] = landed_target
         else:
             misses.append((key, base + ordinal))
     order = sorted((int(last[s]), s) for s in range(tables.num_slots) if int(last[s]) < base)

@@ -6,6 +6,8 @@ which states their contract).
   the hits' and the misses' slot ids to two outputs (an overlapped call).
 * ``_admit_kernel`` (any size: prefill) deduplicates through a scatter-min table. With
   ``SPLIT`` it marks each missed key there and writes hits and misses apart, as above.
+* With ``HAS_LANDED`` both zero the pass's landing counters and write the full count at
+  every hit's slot (`expertcache.kernels.landing`): the copy kernel counts the misses' up.
 * ``_place_misses`` (both): the r-th miss takes the r-th coldest evictable slot (in a pool
   of several layers, not one of another layer at or below its share).
 
@@ -126,6 +128,16 @@ def _block_of_call(
 
 
 @triton.jit
+def _clear_landed(landed_ptr, num_slots, BLOCK_SLOTS: tl.constexpr, HAS_LANDED: tl.constexpr):
+    """Zero the pass's landing counters (`expertcache.kernels.landing`) before any hit marks its slot."""
+    if HAS_LANDED:
+        for start in range(0, num_slots, BLOCK_SLOTS):
+            slots = start + tl.arange(0, BLOCK_SLOTS)
+            tl.store(landed_ptr + slots, tl.zeros([BLOCK_SLOTS], dtype=tl.int32), mask=slots < num_slots)
+        tl.debug_barrier()
+
+
+@triton.jit
 def _list_miss(plan_ptr, miss_stamp_ptr, miss_ordinal, local, key, stamp, is_miss):
     tl.store(plan_ptr + 1 + 4 * miss_ordinal, local, mask=is_miss)
     tl.store(plan_ptr + 3 + 4 * miss_ordinal, key, mask=is_miss)
@@ -136,12 +148,15 @@ def _list_miss(plan_ptr, miss_stamp_ptr, miss_ordinal, local, key, stamp, is_mis
 def _admit_small_kernel(
     ids_ptr, global_to_local_ptr, out_ptr, miss_out_ptr,
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, plan_ptr, miss_stamp_ptr, counters_ptr,
-    key_layer_ptr, pass_ptr, num_ids, num_global, num_slots, key_offset, layer, share, pass_index,
+    key_layer_ptr, pass_ptr, landed_ptr, num_ids, num_global, num_slots, key_offset, layer, share, pass_index,
+    landed_target,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
     HAS_PASSES: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, HAS_SHARES: tl.constexpr,
+    HAS_LANDED: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # the copy kernel may launch now; it waits for this kernel on the GPU
         gdc_launch_dependents()
+    _clear_landed(landed_ptr, num_slots, BLOCK_SLOTS, HAS_LANDED)
     base = tl.load(clock_ptr)
     positions, in_bounds, local, key, is_local, invalid, slot = _block_of_call(
         0, ids_ptr, pass_ptr, pass_index, global_to_local_ptr, expert_to_slot_ptr, num_ids, num_global, key_offset,
@@ -159,6 +174,8 @@ def _admit_small_kernel(
         num_misses = tl.sum(is_miss.to(tl.int32), axis=0)
         stamp = base + ordinal.to(tl.int64)
         tl.store(last_use_ptr + slot, stamp, mask=is_first & (slot >= 0))
+        if HAS_LANDED:  # a hit's slot holds its expert already
+            tl.store(landed_ptr + slot, landed_target, mask=is_first & (slot >= 0))
         _list_miss(plan_ptr, miss_stamp_ptr, miss_ordinal, local, key, stamp, is_miss)
         num_evictions = 0
         was_missed = positions < 0
@@ -195,12 +212,15 @@ def _admit_small_kernel(
 def _admit_kernel(
     ids_ptr, global_to_local_ptr, out_ptr, miss_out_ptr,
     expert_to_slot_ptr, slot_to_key_ptr, last_use_ptr, clock_ptr, first_seen_ptr, plan_ptr, miss_stamp_ptr,
-    counters_ptr, key_layer_ptr, pass_ptr, num_ids, num_global, num_slots, key_offset, layer, share, pass_index,
+    counters_ptr, key_layer_ptr, pass_ptr, landed_ptr, num_ids, num_global, num_slots, key_offset, layer, share,
+    pass_index, landed_target,
     BLOCK_IDS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, SLOT_BITS: tl.constexpr, HAS_MAP: tl.constexpr,
     HAS_PASSES: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, HAS_SHARES: tl.constexpr,
+    HAS_LANDED: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # the copy kernel may launch now; it waits for this kernel on the GPU
         gdc_launch_dependents()
+    _clear_landed(landed_ptr, num_slots, BLOCK_SLOTS, HAS_LANDED)
     base = tl.load(clock_ptr)
     # 1: first position of every key in the call, and how many keys and bad ids there are
     num_invalid = 0
@@ -238,6 +258,8 @@ def _admit_kernel(
             miss_ordinal = num_misses + tl.cumsum(is_miss.to(tl.int32), axis=0) - 1
             stamp = base + ordinal.to(tl.int64)
             tl.store(last_use_ptr + slot, stamp, mask=is_first & (slot >= 0))
+            if HAS_LANDED:  # a hit's slot holds its expert already
+                tl.store(landed_ptr + slot, landed_target, mask=is_first & (slot >= 0))
             _list_miss(plan_ptr, miss_stamp_ptr, miss_ordinal, local, key, stamp, is_miss)
             if SPLIT:  # a missed key's first position is no longer needed: mark the key missed
                 tl.store(first_seen_ptr + key, _MISSED, mask=is_miss)

@@ -29,10 +29,11 @@ from typing import NamedTuple
 import torch
 
 from expertcache.kernels._launch import on_device
+from expertcache.kernels.admission import check_landed
 from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
 from expertcache.kernels.expert_apply import launch_pairs, launch_sum
 from expertcache.kernels.grouped_apply import _TENSOR_CORE_DTYPES, default_tiles, launch_grouped_pairs, takes_grouped
-from expertcache.result import ExpertWeightResult
+from expertcache.result import ExpertWeightResult, Landing
 
 
 class PassLaunch(NamedTuple):
@@ -86,6 +87,11 @@ def sum_over_passes(
     return out
 
 
+def check_landing(landing: Landing, w1: torch.Tensor) -> None:
+    """A result's `Landing` counters: ``[N]`` int32 on the weights' device, a positive target."""
+    check_landed(landing.counts, landing.target, w1.shape[0], w1.device)
+
+
 def moe_apply_passes(
     hidden: torch.Tensor,
     results: Iterable[ExpertWeightResult],
@@ -100,7 +106,9 @@ def moe_apply_passes(
     Args:
         hidden: ``[T, H]`` tokens (fp32, fp16 or bf16).
         results: the passes, consumed in order; each pass's kernels are enqueued before
-            the next pass is asked for (its copies may overwrite the slots).
+            the next pass is asked for (its copies may overwrite the slots). A result with
+            ``landing`` counters (``provider.passes(ids, overlap=True, landing=True)``) has
+            its gate_up wait for each slot to land (`expertcache.kernels.landing`).
         topk_weights: ``[T, K]`` router weights.
         scale_block: as in `moe_apply` (block-scaled fp8 weights).
         fp32_out: return the fp32 sum instead of rounding to ``hidden``'s dtype.
@@ -121,13 +129,17 @@ def moe_apply_passes(
         if not chosen:
             chosen.append(takes_grouped(w1, w2, result.w1_scale, pairs) if kernel == "auto" else kernel == "grouped")
 
+        landing = result.landing
+        if landing is not None:
+            check_landing(landing, w1)
+
         def run(ids, weights, act, part, first):
             if chosen[0]:
                 tiles = default_tiles(pairs, *w2.shape[1:], w1.dtype in _TENSOR_CORE_DTYPES)
-                launch_grouped_pairs(hidden, w1, w2, ids, weights, part, first, tiles)
+                launch_grouped_pairs(hidden, w1, w2, ids, weights, part, first, tiles, landing)
             else:
                 launch_pairs(hidden, w1, w2, result.w1_scale, result.w2_scale, scale_block, ids, weights, act, part,
-                             first)  # fmt: skip
+                             first, landing)  # fmt: skip
 
         return PassLaunch(w1.shape[0], w2.shape[1], w2.shape[2], run)
 

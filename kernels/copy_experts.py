@@ -18,6 +18,12 @@ of programs, which keeps enough PCIe reads in flight to approach the copy engine
 bandwidth. Copies naming a row or slot out of range are skipped. On sm_90 and later the
 launch is chained to the admission before it (`expertcache.kernels._launch.chained`): its
 programs start while the admission runs and wait on the GPU for its plan.
+
+Given a ``landed`` counter per slot (`expertcache.kernels.landing`), each program adds the
+chunks it has stored into a slot once it moves on to another expert (a barrier, then a
+release at GPU scope), so ``landed[slot]`` reaches the expert's chunk count when its last
+byte is in the slot, and an apply kernel can start on each expert as it lands instead of
+waiting for the whole launch.
 """
 
 from __future__ import annotations
@@ -46,19 +52,27 @@ def _copy_experts_kernel(
     offset0, offset1, offset2, offset3, offset4, offset5, offset6, offset7,
     words0, words1, words2, words3, words4, words5, words6, words7,
     first1, first2, first3, first4, first5, first6, first7,
-    num_experts, num_slots, chunks_per_expert,
+    num_experts, num_slots, chunks_per_expert, landed_ptr,
     BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, ALIGN: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SIGNAL: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # launched while the admission runs: let the apply launch, then wait for the plan
         gdc_launch_dependents()
         gdc_wait()
     count = tl.minimum(tl.load(count_ptr).to(tl.int32), num_slots)
+    stored = 0  # SIGNAL: chunks this program stored into `filling` and has not yet counted
+    filling = tl.program_id(0).to(tl.int64) * 0 - 1
     for work in range(tl.program_id(0), count * chunks_per_expert, NUM_PROGRAMS):
         rank = work // chunks_per_expert
         chunk = work % chunks_per_expert
         expert = tl.load(experts_ptr + stride * rank).to(tl.int64)
         slot = tl.load(slot_ids_ptr + stride * rank).to(tl.int64)
+        if SIGNAL:
+            if slot != filling:  # another expert: count the last one's chunks, once all are stored
+                _count_landed(landed_ptr, filling, stored, num_slots)
+                stored = 0
+                filling = slot
+            stored += 1
         # the segment of this chunk: the last whose first chunk it reaches (int64 throughout:
         # the arguments come as int32, int64 or constants, and every branch must agree)
         zero = (chunk * 0).to(tl.int64)
@@ -95,6 +109,16 @@ def _copy_experts_kernel(
             else:  # the segment's last chunk
                 mask = lanes < words - start
                 tl.store(destination + target, tl.load(source_ptr + source, mask=mask), mask=mask)
+    if SIGNAL:
+        _count_landed(landed_ptr, filling, stored, num_slots)
+
+
+@triton.jit
+def _count_landed(landed_ptr, slot, stored, num_slots):
+    """Add ``stored`` chunks to ``landed[slot]`` after every thread's stores (barrier, release)."""
+    if (stored > 0) & (slot >= 0) & (slot < num_slots):
+        tl.debug_barrier()
+        tl.atomic_add(landed_ptr + slot, stored, sem="release", scope="gpu")
 
 
 #: Slot tensors one launch writes (kernel arguments ``slots0 .. slots7``).
@@ -152,9 +176,16 @@ def build_segments(source_offsets: tuple[int, ...], expert_bytes: tuple[int, ...
 
 
 def copy_experts_torch(
-    source: torch.Tensor, slots: list[torch.Tensor], plan: CopyPlan, segments: Segments, *, unit: int
+    source: torch.Tensor,
+    slots: list[torch.Tensor],
+    plan: CopyPlan,
+    segments: Segments,
+    *,
+    unit: int,
+    landed: torch.Tensor | None = None,
 ) -> None:
-    """Reference of `copy_experts`: for every planned copy, each name's expert words into its slot."""
+    """Reference of `copy_experts`: for every planned copy, each name's expert words into its
+    slot (and its chunk count added to ``landed[slot]``)."""
     source_words = source.view(_WORD[unit])
     count = int(plan.count.reshape(-1)[0])
     experts = plan.experts[: plan.stride * count : plan.stride].tolist()
@@ -163,6 +194,8 @@ def copy_experts_torch(
         for offset, words, tensor in zip(segments.offsets, segments.words, slots, strict=True):
             chunk = source_words[offset + expert * words : offset + (expert + 1) * words]
             tensor.reshape(-1).view(_WORD[unit])[slot * words : (slot + 1) * words] = chunk.to(tensor.device)
+        if landed is not None:
+            landed[slot] += segments.chunks_per_expert
 
 
 def copy_experts(
@@ -174,6 +207,7 @@ def copy_experts(
     unit: int,
     num_experts: int,
     num_programs: int | None = None,
+    landed: torch.Tensor | None = None,
 ) -> None:
     """Copy the planned experts without reading the plan on the host.
 
@@ -188,6 +222,9 @@ def copy_experts(
         num_experts: rows of the store (copies naming others are skipped).
         num_programs: programs of the persistent grid (fixed: graph-safe); default
             ``DEFAULT_PROGRAMS`` on a GPU, 2 when interpreted (programs run one by one there).
+        landed: optional ``[S]`` int32 counters on the slots' device: each copy adds
+            ``segments.chunks_per_expert`` to its slot's, chunk by chunk as they are stored
+            (`expertcache.kernels.landing`).
     """
     if source.dtype != torch.uint8 or source.dim() != 1:
         raise ValueError("source must be a flat uint8 buffer")
@@ -197,6 +234,10 @@ def copy_experts(
         raise ValueError("slot tensors must be contiguous and on one device")
     if not runs_on(slots[0]):
         raise RuntimeError("the copy kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
+    if landed is not None and (
+        landed.dtype != torch.int32 or landed.shape != (slots[0].shape[0],) or landed.device != slots[0].device
+    ):
+        raise ValueError(f"landed must be an int32 counter per slot ({slots[0].shape[0]}) on {slots[0].device}")
     word = _WORD[unit]
     if num_programs is None:
         num_programs = DEFAULT_PROGRAMS if slots[0].is_cuda else 2
@@ -212,8 +253,9 @@ def copy_experts(
         source_arg, *destinations, plan.count, plan.experts, plan.slots, plan.stride,
         *segments.offsets, *(0,) * pad, *segments.words, *(0,) * pad, *segments.first_chunks[1:], *(0,) * pad,
         num_experts, slots[0].shape[0], segments.chunks_per_expert,
+        landed if landed is not None else plan.count,
         BLOCK=segments.block, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=len(slots), ALIGN=segments.align,
-        num_warps=warps_for(segments.block), **chained(slots[0].device),
+        SIGNAL=landed is not None, num_warps=warps_for(segments.block), **chained(slots[0].device),
     )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from expertcache.kernels._launch import chained, on_device, program_rows
 from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
+from expertcache.kernels.landing import wait_landed
 
 
 @triton.jit
@@ -43,9 +44,9 @@ def _scaled(weights, scale_ptr, rows, cols, mask, HAS_SCALE: tl.constexpr, SCALE
 def _gate_up_kernel(
     hidden_ptr, w1_ptr, scale_ptr, ids_ptr, act_ptr,
     hidden_size, inter_size, top_k, num_rows, stride_token, stride_expert, stride_row,
-    stride_scale_expert, stride_scale_row,
+    stride_scale_expert, stride_scale_row, landed_ptr, landed_target,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # launched while the previous kernel (the copy) runs: wait for the slots it fills
         gdc_wait()
@@ -59,6 +60,8 @@ def _gate_up_kernel(
     gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
     up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
     if (expert >= 0) & (expert < num_rows):  # anything else contributes nothing, reads nothing
+        if WAIT:  # the slot's copy may still be arriving (expertcache.kernels.landing)
+            wait_landed(landed_ptr, expert, landed_target)
         x_row = hidden_ptr + (pair // top_k) * stride_token
         gate_rows = w1_ptr + expert * stride_expert + rows.to(tl.int64)[:, None] * stride_row
         up_rows = gate_rows + inter_size * stride_row
@@ -252,9 +255,12 @@ GATE_UP_TILE = (8, 128, 8)
 DOWN_TILE = (16, 256, 4)
 
 
-def launch_pairs(hidden, w1, w2, w1_scale, w2_scale, scale_block, ids, weights, act, part, write_all) -> None:
+def launch_pairs(
+    hidden, w1, w2, w1_scale, w2_scale, scale_block, ids, weights, act, part, write_all, landing=None
+) -> None:
     """gate_up and down over every (token, choice): ``part[t*K + k]`` = weighted expert
-    output for ids in ``[0, N)``; other rows get zeros (``write_all``) or stay as they were."""
+    output for ids in ``[0, N)``; other rows get zeros (``write_all``) or stay as they were.
+    With ``landing`` (`expertcache.result.Landing`) gate_up waits for each slot to land."""
     tokens, top_k = ids.shape
     hidden_size, inter_size, num_rows = w2.shape[1], w2.shape[2], w1.shape[0]
     has_scale = w1_scale is not None
@@ -266,8 +272,9 @@ def launch_pairs(hidden, w1, w2, w1_scale, w2_scale, scale_block, ids, weights, 
     _gate_up_kernel[(pairs, triton.cdiv(inter_size, gate_rows))](
         hidden, w1, scale1, ids, act, hidden_size, inter_size, top_k, num_rows,
         hidden.stride(0), w1.stride(0), w1.stride(1), scale1.stride(0), scale1.stride(1),
+        *landing_args(landing, ids),
         BLOCK_I=gate_rows, BLOCK_H=gate_cols, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block, num_warps=gate_warps,
-        **chained(hidden.device),
+        WAIT=landing is not None, **chained(hidden.device),
     )  # fmt: skip
     _down_kernel[(pairs, triton.cdiv(hidden_size, down_rows))](
         act, w2, scale2, ids, weights, part, hidden_size, inter_size, num_rows,
@@ -275,6 +282,11 @@ def launch_pairs(hidden, w1, w2, w1_scale, w2_scale, scale_block, ids, weights, 
         BLOCK_H=down_rows, BLOCK_I=down_cols, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block, WRITE_ALL=write_all,
         num_warps=down_warps, **chained(hidden.device),
     )  # fmt: skip
+
+
+def landing_args(landing, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(landed_ptr, landed_target)`` kernel arguments: the counters, or any int pointer."""
+    return (landing.counts, landing.target) if landing is not None else (ids, 0)
 
 
 def launch_sum(

@@ -28,8 +28,9 @@ import triton.language as tl
 
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
-from expertcache.kernels.expert_apply import launch_sum, moe_apply
+from expertcache.kernels.expert_apply import landing_args, launch_sum, moe_apply
 from expertcache.kernels.grouped_routing import sort_pairs_by_expert
+from expertcache.kernels.landing import wait_landed
 
 #: Pairs (``T*K``) from which `moe_apply_auto` takes the grouped GEMM over the GEMV. Set from
 #: the crossover benchmarks/bench_apply.py printed on one H200 (Qwen3-30B-A3B shapes, bf16,
@@ -53,12 +54,16 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 def _gate_up_kernel(
     hidden_ptr, w1_ptr, pair_ptr, expert_ptr, act_ptr,
     hidden_size, inter_size, top_k, num_pairs, num_experts, stride_token, stride_expert, stride_row,
+    landed_ptr, landed_target,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+    WAIT: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     expert = tl.load(expert_ptr + block)
     if (expert < 0) | (expert >= num_experts):  # past the used blocks, or pairs that contribute nothing
         return
+    if WAIT:  # the slot's copy may still be arriving (expertcache.kernels.landing)
+        wait_landed(landed_ptr, expert, landed_target)
     rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_ptr + rows)
     row_mask = pairs < num_pairs  # padding holds num_pairs
@@ -255,9 +260,12 @@ def _moe_apply_grouped(
     return out, invalid
 
 
-def launch_grouped_pairs(hidden, w1, w2, ids, weights, part, write_all: bool, tiles: tuple[int, ...]) -> None:
+def launch_grouped_pairs(
+    hidden, w1, w2, ids, weights, part, write_all: bool, tiles: tuple[int, ...], landing=None
+) -> None:
     """Route, gate_up, down: ``part[t*K + k]`` = weighted expert output for ids in
-    ``[0, N)``; other rows get zeros (``write_all``) or stay as they were (a later pass)."""
+    ``[0, N)``; other rows get zeros (``write_all``) or stay as they were (a later pass).
+    With ``landing`` (`expertcache.result.Landing`) gate_up waits for each slot to land."""
     block_m, block_n, block_k, num_warps, num_stages = tiles
     tokens, top_k = ids.shape
     hidden_size, inter_size, num_experts = w2.shape[1], w2.shape[2], w1.shape[0]
@@ -272,7 +280,7 @@ def launch_grouped_pairs(hidden, w1, w2, ids, weights, part, write_all: bool, ti
     _gate_up_kernel[(num_blocks, triton.cdiv(inter_size, block_n))](
         hidden, w1, routing.pair_of_row, routing.expert_of_block, act,
         hidden_size, inter_size, top_k, pairs, num_experts, hidden.stride(0), w1.stride(0), w1.stride(1),
-        FP32_DOT=fp32_gate_up, **launch,
+        *landing_args(landing, ids), FP32_DOT=fp32_gate_up, WAIT=landing is not None, **launch,
     )  # fmt: skip
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
         act, w2, routing.pair_of_row, routing.expert_of_block, weights, part,

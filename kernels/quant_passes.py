@@ -61,6 +61,11 @@ def moe_apply_quant_passes(
     chosen: list = []  # the grouped GEMM's tiles, or None for the GEMV: decided at the first pass
 
     def launch_of(result: ExpertWeightResult) -> PassLaunch:
+        if result.landing is not None:
+            raise ValueError(
+                "moe_apply_quant_passes does not wait on landing counters: serve its passes without "
+                "landing (provider.passes(ids, overlap=True))"
+            )
         ops = quant_operands(hidden, weights_of(result), topk_weights, result.topk_ids, scheme)
         if not chosen:
             chosen.append(_tiles_or_none(hidden, ops, pairs, kernel))

@@ -24,6 +24,7 @@ from helpers import BENCHMARKS, bench_module, traces_env
     [
         ("bench_batch", ["--floor", "0.3"], "--floor 0.3 is not among --fractions"),  # floor at a fraction not run
         ("bench_batch", ["--serial", "0.3"], "--serial 0.3 is not among --fractions"),
+        ("bench_batch", ["--unlanded", "0.3"], "--unlanded 0.3 is not among --fractions"),
         ("bench_batch", ["--overlap", "maybe"], "--overlap: invalid choice"),
         ("bench_batch", ["--chain", "yes"], "--chain: invalid choice"),
         ("bench_batch", ["--copy-priority", "low"], "--copy-priority: invalid choice"),
@@ -55,14 +56,15 @@ def test_replot_draws_the_newest_default_rows_of_the_given_commits(tmp_path, mon
     with pytest.raises(SystemExit) as exit_info:
         bench.replot_rows(["aaa"])
     assert exit_info.value.code == 2 and "no " in capsys.readouterr().err
-    fields = ["commit", "variant", "cache", "batch", "tok_per_s", "copy_priority", "error"]
+    fields = ["commit", "variant", "cache", "batch", "tok_per_s", "copy_priority", "error", "landing"]
     rows = [
-        ["aaa", "device", "25%", "8", "100", "", ""],  # older rows carry no ablation columns
-        ["aaa", "device", "25%", "8", "120", "high", ""],  # newer: wins
-        ["aaa", "device", "25%", "16", "999", "default", ""],  # an ablation
-        ["bbb", "device", "25%", "16", "150", "high", ""],  # another commit
-        ["aaa", "host", "25%", "16", "", "high", "CacheCapacityError"],  # a failed row
-        ["aaa", "resident", "all", "16", "300", "high", ""],
+        ["aaa", "device", "25%", "8", "100", "", "", ""],  # older rows carry no ablation columns
+        ["aaa", "device", "25%", "8", "120", "high", "", ""],  # newer: wins
+        ["aaa", "device", "25%", "16", "999", "default", "", ""],  # an ablation
+        ["aaa", "device unlanded", "25%", "16", "998", "high", "", "off"],  # the --unlanded ablation
+        ["bbb", "device", "25%", "16", "150", "high", "", ""],  # another commit
+        ["aaa", "host", "25%", "16", "", "high", "CacheCapacityError", ""],  # a failed row
+        ["aaa", "resident", "all", "16", "300", "high", "", ""],
     ]
     with (tmp_path / "bench_batch.csv").open("w", newline="") as handle:
         csv.writer(handle).writerows([fields, *rows])
@@ -112,9 +114,11 @@ def test_copy_service_plans_name_distinct_experts_and_slots():
 
 def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     """Also the ``--serial`` rows: the same function, passes one after the other (full
-    groups where the overlapped rows take half ones)."""
-    flags = ["--dry-run", "--only", "device 25%", "copies only", "serial", "--batch-sizes", "1", "8",
-             "--fractions", "0.25", "--serial", "0.25", "--coded", "--prefetch", "--layers", "2"]  # fmt: skip
+    groups where the overlapped rows take half ones); and the ``--unlanded`` rows: the same
+    copies and output, the apply waiting for whole copies."""
+    flags = ["--dry-run", "--only", "device 25%", "copies only", "serial", "unlanded", "--batch-sizes", "1", "8",
+             "--fractions", "0.25", "--serial", "0.25", "--unlanded", "0.25", "--coded", "--prefetch",
+             "--layers", "2"]  # fmt: skip
     command = [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path)
@@ -123,7 +127,9 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     path = Path(re.search(r"^CSV: (.+)$", done.stdout, re.MULTILINE).group(1))
     with path.open(newline="") as handle:
         rows = {(row["variant"], row["batch"]): row for row in csv.DictReader(handle)}
-    assert {variant for variant, _ in rows} == {"resident", "device", "device copies only", "device serial"}
+    assert {variant for variant, _ in rows} == {
+        "resident", "device", "device copies only", "device serial", "device unlanded"
+    }
     for batch in ("1", "8"):
         cached, floor, one_by_one = (
             rows[("device", batch)],
@@ -136,5 +142,9 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
         assert float(cached["rel_err"]) == 0.0 == float(one_by_one["rel_err"])  # the resident step's output
         assert floor["rel_err"] == ""  # the floor computes no experts: no output to compare
         assert (cached["overlap"], one_by_one["overlap"]) == ("on", "off")
+        whole = rows[("device unlanded", batch)]
+        for column in ("mb_copied_per_step", "hit_rate", "max_passes"):
+            assert cached[column] == whole[column], column
+        assert float(whole["rel_err"]) == 0.0 and (cached["landing"], whole["landing"]) == ("", "off")
     # 8 tokens may need more experts than a quarter of them: overlapped passes take half groups
     assert int(rows[("device", "8")]["max_passes"]) > int(rows[("device serial", "8")]["max_passes"]) > 1

@@ -71,12 +71,24 @@ def test_admission_equals_reference(device, with_map, num_slots, split, shares):
             kwargs["pass_index"] = (step // 4) % 2
         if shares:
             kwargs["key_layer"] = torch.arange(2, dtype=torch.int32, device=device).repeat_interleave(num_local)
-        admit(kernel, ids, g2l, outs[0], miss_out=misses[0], **kwargs)
-        admit_torch(reference, ids, g2l, outs[1], miss_out=misses[1], **kwargs)
+        landed = [torch.full((num_slots,), -5, dtype=torch.int32, device=device) for _ in range(2)]
+        counted = step % 2 == 0  # every other call zeroes its landing counters and marks its hits
+        if counted:
+            kwargs["landed_target"] = 7
+        admit(kernel, ids, g2l, outs[0], miss_out=misses[0], landed=landed[0] if counted else None, **kwargs)
+        admit_torch(reference, ids, g2l, outs[1], miss_out=misses[1], landed=landed[1] if counted else None, **kwargs)
         assert torch.equal(outs[0], outs[1]), step
         if misses[0] is not None:
             assert torch.equal(misses[0], misses[1]), step
             assert not ((outs[0] >= 0) & (misses[0] >= 0)).any()
+        assert torch.equal(landed[0], landed[1]), step
+        if counted:  # the hits' slots read landed, every other slot waits for its copy
+            hits = outs[0][(outs[0] >= 0) & ((misses[0] < 0) if misses[0] is not None else True)].unique()
+            copied = kernel.plan_entries()[: int(kernel.plan[0]), 1].to(device).long()
+            assert set(landed[0].nonzero().flatten().tolist()) <= set(hits.tolist())
+            assert not bool(landed[0][copied].any())
+        else:
+            assert bool((landed[0] == -5).all())
         _same_tables(kernel, reference)
     assert int(kernel.counters[:, 5].sum()) > 0, "no call overflowed: the flag went untested"
     assert int(kernel.counters[:, 4].sum()) > 0, "no invalid id was counted"
@@ -121,10 +133,12 @@ def test_the_one_program_walks_equal_the_reference_at_any_step(device, block_ids
         split = index == 2
         outs = [torch.full_like(ids, -7) for _ in range(2)]
         misses = [torch.full_like(ids, -7) for _ in range(2)] if split else [None, None]
-        kwargs = dict(layer=0, passes=passes[0], pass_index=index, **where)
-        admit(kernel, ids, None, outs[0], miss_out=misses[0], block_ids=block_ids, **kwargs)
-        admit_torch(reference, ids, None, outs[1], miss_out=misses[1], **kwargs)
+        landed = [torch.full((num_slots,), -5, dtype=torch.int32, device=device) for _ in range(2)]
+        kwargs = dict(layer=0, passes=passes[0], pass_index=index, landed_target=3, **where)
+        admit(kernel, ids, None, outs[0], miss_out=misses[0], block_ids=block_ids, landed=landed[0], **kwargs)
+        admit_torch(reference, ids, None, outs[1], miss_out=misses[1], landed=landed[1], **kwargs)
         assert torch.equal(outs[0], outs[1]), index
+        assert torch.equal(landed[0], landed[1]) and not bool((landed[0] == -5).any()), index
         if split:
             assert torch.equal(misses[0], misses[1])
         _same_tables(kernel, reference)
@@ -214,13 +228,20 @@ def test_copy_kernel_equals_reference(device, specs):
     kernel = layout.allocate(num_slots, torch.device(device), 0xFF)
     expected = {name: t.clone() for name, t in kernel.items()}
     plan = torch.tensor([3, 6, 4, 0, 0, 0, 1, 0, 0, 2, 2, 0, 0] + [9] * 8, dtype=torch.int32, device=device)
+    landed = torch.tensor([5, 0, 2, 9, 1], dtype=torch.int32, device=device)  # what earlier copies left
+    expected_landed = landed.cpu().clone()
     copy_experts(
         source, list(kernel.values()), CopyPlan.of(plan), segments,
-        unit=layout.copy_unit, num_experts=num_experts, num_programs=3,
+        unit=layout.copy_unit, num_experts=num_experts, num_programs=3, landed=landed,
     )  # fmt: skip
-    copy_experts_torch(source, list(expected.values()), CopyPlan.of(plan.cpu()), segments, unit=layout.copy_unit)
+    copy_experts_torch(source, list(expected.values()), CopyPlan.of(plan.cpu()), segments, unit=layout.copy_unit,
+                       landed=expected_landed)  # fmt: skip
     for name in kernel:
         assert torch.equal(kernel[name].view(torch.uint8), expected[name].view(torch.uint8)), name
+    # each of the three copies counted every chunk of its expert into its slot, once
+    chunks = segments.chunks_per_expert
+    assert chunks > 3 and landed.tolist() == [5, 0 + chunks, 2 + chunks, 9, 1 + chunks]
+    assert torch.equal(landed.cpu(), expected_landed)
     stored = layout.views(source, num_experts)
     assert torch.equal(kernel["t0"][4].cpu(), stored["t0"][6]) and torch.equal(kernel["t1"][1].cpu(), stored["t1"][0])
     assert bool((kernel["t0"][3].view(torch.uint8) == 0xFF).all())  # untouched slot keeps its poison

@@ -524,7 +524,7 @@ def test_decode_stack_overlaps_decode_sized_calls_only(monkeypatch):
         hidden = torch.randn(tokens, HIDDEN, generator=gen).to(device)
         routing = random_topk(tokens, 2, 6, generator=gen)[None].to(device)
         assert torch.equal(stack.step(hidden, routing), full.step(hidden, routing))
-    assert asked == [{"overlap": True}, {}]
+    assert asked == [{"overlap": True, "landing": True}, {}]
 
 
 def test_the_simulator_replays_a_decode_stack_with_prefill_sized_calls(monkeypatch):

@@ -1,0 +1,37 @@
+"""Landing counts: an apply that starts on each copied expert as it lands.
+
+A device-mode call copies its misses with one copy-kernel launch per copy group. Without
+landing counts the apply of the misses waits for the whole launch (a stream event), so
+after the layer's last byte arrives the whole misses' apply still runs. With them::
+
+    admission    zero the pass's counters [S] int32, then write `target` at its hits' slots
+    copy kernel  landed[slot] += chunks stored, per program each time it moves to another
+                 expert (after a barrier, with release semantics at GPU scope)
+    apply        per (pair | block of pairs): spin until landed[slot] >= target, acquire,
+                 then read the slot; launched once the admission is done, not the copies
+
+``target`` is the chunks one expert takes over all of the layer's copy groups, so a slot
+reads ``target`` once every byte of its expert has landed. A pass hands its counters to the
+apply in `expertcache.result.Landing`; only kernels that call `wait_landed` may be given
+such a result (``provider.passes(ids, overlap=True, landing=True)``).
+
+Progress: the waiting programs only ever wait for copy programs that were launched before
+them and hold their SMs (the copy kernel is launched while the admission runs, on a stream
+of higher priority, and the apply only after the admission is done), so a grid of
+waiting programs larger than the GPU cannot starve the copies it waits for.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_landed(landed_ptr, slot, target):
+    """Block the program until ``landed[slot] >= target``; the program's later loads see
+    every byte the copy kernel stored before counting it."""
+    while tl.load(landed_ptr + slot, volatile=True) < target:
+        pass
+    tl.atomic_add(landed_ptr + slot, 0, sem="acquire", scope="gpu")  # one thread acquires ...
+    tl.debug_barrier()  # ... and the program's other threads read after it

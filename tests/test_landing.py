@@ -1,0 +1,148 @@
+"""Landing counts (`expertcache.kernels.landing`): an overlapped device-mode call hands over
+its copied passes once admitted, with per-slot counters its apply waits on.
+
+Under the interpreter (and on a CPU generally) the copies have landed by the time the apply
+runs, so these tests check the counters' values and that the waiting kernels compute what
+the others do; on a GPU the same tests run with the copies on the pool's copy stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import devices
+from helpers import random_topk, random_weights
+
+from expertcache import CachedWeightProvider, FullGPUProvider
+from expertcache.decode_stack import DecodeStack
+from expertcache.kernels import moe_apply, moe_apply_passes
+from expertcache.kernels.admission import admit
+from expertcache.kernels.copy_experts import CopyPlan, copy_experts
+from expertcache.kernels.quant_passes import moe_apply_quant_passes
+from expertcache.kernels.slot_tables import SlotTables
+from expertcache.mover import landing_target
+from expertcache.result import Landing
+
+HIDDEN, INTER, EXPERTS = 32, 16, 12
+
+
+def _providers(device, count=2, cache_size=4, dtype=torch.float32, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    weights = random_weights(EXPERTS, HIDDEN, INTER, dtype=dtype, generator=gen)
+    cached = [CachedWeightProvider(weights, cache_size=cache_size, mode="device", device=device) for _ in range(count)]
+    return cached, {name: tensor.to(device) for name, tensor in weights.items()}, gen
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("kernel", ["gemv", "grouped"])
+def test_landed_passes_carry_full_counters_and_compute_what_the_others_do(device, kernel):
+    """Calls that fit and calls of several passes (4 slots, up to 9 experts): the hits come
+    without counters; every later pass with counters that read ``target`` at each slot it
+    serves; the decisions equal a provider's without landing, and `moe_apply_passes` over
+    the landed passes equals it over the others, bit for bit, and the full weights' apply."""
+    (landed, plain), full, gen = _providers(device)
+    target = landing_target(landed.layer.copy_groups)
+    assert target is not None and target > 1
+    several = 0
+    for step in range(8):
+        tokens = 1 + step % 3
+        ids = random_topk(tokens, 3, EXPERTS, generator=gen).to(device)
+        hidden = torch.randn(tokens, HIDDEN, generator=gen).to(device)
+        router = torch.rand(ids.shape, generator=gen).to(device)
+        seen = []
+
+        def checked(results):
+            for result in results:
+                seen.append(result.landing)
+                if result.landing is not None:  # read while this pass is current: its slots are its own
+                    assert result.landing.target == target
+                    served = result.topk_ids[result.topk_ids >= 0].long()
+                    assert bool((result.landing.counts[served] == target).all())
+                yield result
+
+        ours = moe_apply_passes(hidden, checked(landed.passes(ids, overlap=True, landing=True)), router, kernel=kernel)
+        theirs = moe_apply_passes(hidden, plain.passes(ids, overlap=True), router, kernel=kernel)
+        assert torch.equal(ours, theirs), step
+        if kernel == "gemv":
+            assert torch.equal(ours, moe_apply(hidden, full["w1"], full["w2"], router, ids)), step
+        else:
+            assert torch.allclose(ours, moe_apply(hidden, full["w1"], full["w2"], router, ids), atol=1e-5)
+        assert seen[0] is None and all(isinstance(counters, Landing) for counters in seen[1:])
+        several += len(seen) > 2
+    assert landed.stats == plain.stats
+    assert landed.stats.misses > 5 and several > 0  # copies were counted, and calls took several passes
+
+
+@pytest.mark.parametrize("device", devices())
+def test_landing_is_a_permission_where_nothing_is_counted(device):
+    """Host mode, a pool holding the whole layer and a resident provider take ``landing=True``
+    and serve as without it: no result carries counters."""
+    weights = random_weights(6, HIDDEN, INTER)
+    ids = torch.tensor([[0, 1], [2, 5]], device=device)
+    host = CachedWeightProvider(weights, cache_size=3, mode="host", device=device)
+    whole = CachedWeightProvider(weights, cache_size=6, mode="device", device=device)
+    full = FullGPUProvider({name: tensor.to(device) for name, tensor in weights.items()})
+    for provider in (host, whole, full):
+        results = list(provider.passes(ids, overlap=True, landing=True))
+        assert results and all(result.landing is None for result in results)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_decode_stack_lands_only_for_an_apply_that_waits(device):
+    """`DecodeStack` asks for counters with `moe_apply_passes` (overlapped), never with
+    another apply, and refuses ``landing`` without ``overlap``; the landed stack's steps
+    equal the unlanded one's."""
+    (landed_cache, plain_cache), full, gen = _providers(device, seed=8)
+    landed = DecodeStack([landed_cache], HIDDEN, EXPERTS, dtype=torch.float32, device=device)
+    plain = DecodeStack([plain_cache], HIDDEN, EXPERTS, dtype=torch.float32, device=device, landing=False)
+    assert landed.landing and not plain.landing
+    assert not DecodeStack([], HIDDEN, EXPERTS, dtype=torch.float32, device=device, overlap=False).landing
+    quant = DecodeStack([], HIDDEN, EXPERTS, dtype=torch.float32, device=device, apply=moe_apply_quant_passes)
+    assert quant.overlap and not quant.landing
+    with pytest.raises(ValueError, match="landing needs overlap"):
+        DecodeStack([], HIDDEN, EXPERTS, dtype=torch.float32, device=device, overlap=False, landing=True)
+    with pytest.raises(TypeError, match="landing must be True or False"):
+        DecodeStack([], HIDDEN, EXPERTS, dtype=torch.float32, device=device, landing="yes")
+    for tokens in (1, 3, 2):
+        hidden = torch.randn(tokens, HIDDEN, generator=gen).to(device)
+        routing = random_topk(tokens, 3, EXPERTS, generator=gen)[None].to(device)
+        assert torch.equal(landed.step(hidden, routing), plain.step(hidden, routing))
+    assert landed_cache.stats == plain_cache.stats and landed_cache.stats.misses > 0
+
+
+@pytest.mark.parametrize("device", devices())
+def test_bad_landing_input_is_refused_and_changes_nothing(device):
+    (provider, _), _, gen = _providers(device, seed=4)
+    ids = random_topk(2, 3, EXPERTS, generator=gen).to(device)
+    before = provider.pool.tables.buffer.clone()
+    with pytest.raises(TypeError, match="landing must be True or False"):
+        provider.passes(ids, overlap=True, landing=1)
+    assert torch.equal(provider.pool.tables.buffer, before)
+    hidden, router = torch.randn(2, HIDDEN, device=device), torch.rand(2, 3, device=device)
+    hits, misses, *_ = provider.passes(ids, overlap=True, landing=True)
+    assert misses.landing is not None
+    for counts, target, message in (
+        (misses.landing.counts.long(), misses.landing.target, "int32 counter per slot"),
+        (misses.landing.counts[:2], misses.landing.target, "int32 counter per slot"),
+        (misses.landing.counts, 0, "positive int"),
+    ):
+        bad = [hits, misses.__class__(**{**misses.__dict__, "landing": Landing(counts, target)})]
+        with pytest.raises(ValueError, match=message):
+            moe_apply_passes(hidden, bad, router)
+    with pytest.raises(ValueError, match="does not wait on landing counters"):
+        moe_apply_quant_passes(hidden, [misses], router, scheme=None)  # refused before the scheme is read
+    tables = SlotTables.allocate(EXPERTS, 4, 1, torch.device(device))
+    state = tables.buffer.clone()
+    out = torch.empty_like(ids)
+    for landed, target in ((torch.zeros(4, dtype=torch.int64, device=device), 3),
+                           (torch.zeros(4, dtype=torch.int32, device=device), 0)):  # fmt: skip
+        with pytest.raises(ValueError, match="landed"):
+            admit(tables, ids, None, out, num_global=EXPERTS, key_offset=0, layer=0, landed=landed,
+                  landed_target=target)  # fmt: skip
+        assert torch.equal(tables.buffer, state)
+    segments = provider.layer.copy_groups[0].segments
+    slots = [torch.zeros(4, 8, device=device) for _ in segments.words]
+    plan = CopyPlan.of(torch.zeros(17, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="landed must be an int32 counter per slot"):
+        copy_experts(torch.zeros(64, dtype=torch.uint8), slots, plan, segments, unit=4, num_experts=2,
+                     landed=torch.zeros(3, dtype=torch.int32, device=device))  # fmt: skip
