@@ -121,6 +121,7 @@ def moe_apply_passes(
         raise ValueError(f"kernel must be 'auto', 'gemv' or 'grouped', got {kernel!r}")
     pairs = topk_weights.shape[0] * topk_weights.shape[1]
     chosen: list[bool] = []  # grouped or not: decided at the first pass, kept for the call
+    done: list[torch.Tensor] = []  # landed GEMV passes: gate_up tiles stored per pair (kernels/landing.py)
 
     def launch_of(result: ExpertWeightResult) -> PassLaunch:
         w1, w2 = result.w1, result.w2
@@ -137,9 +138,11 @@ def moe_apply_passes(
             if chosen[0]:
                 tiles = default_tiles(pairs, *w2.shape[1:], w1.dtype in _TENSOR_CORE_DTYPES)
                 launch_grouped_pairs(hidden, w1, w2, ids, weights, part, first, tiles, landing)
-            else:
-                launch_pairs(hidden, w1, w2, result.w1_scale, result.w2_scale, scale_block, ids, weights, act, part,
-                             first, landing)  # fmt: skip
+                return
+            if landing is not None and not done:  # one counter a pair for the call: each pair is one pass's
+                done.append(torch.zeros(pairs, dtype=torch.int32, device=hidden.device))
+            launch_pairs(hidden, w1, w2, result.w1_scale, result.w2_scale, scale_block, ids, weights, act, part,
+                         first, landing, done[0] if landing is not None else None)  # fmt: skip
 
         return PassLaunch(w1.shape[0], w2.shape[1], w2.shape[2], run)
 

@@ -44,7 +44,7 @@ def _scaled(weights, scale_ptr, rows, cols, mask, HAS_SCALE: tl.constexpr, SCALE
 def _gate_up_kernel(
     hidden_ptr, w1_ptr, scale_ptr, ids_ptr, act_ptr,
     hidden_size, inter_size, top_k, num_rows, stride_token, stride_expert, stride_row,
-    stride_scale_expert, stride_scale_row, landed_ptr, landed_target,
+    stride_scale_expert, stride_scale_row, landed_ptr, landed_target, done_ptr,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     PDL: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
@@ -80,17 +80,23 @@ def _gate_up_kernel(
     gate_sum = tl.sum(gate, axis=1)
     act = gate_sum / (1.0 + tl.exp(-gate_sum)) * tl.sum(up, axis=1)
     tl.store(act_ptr + pair * inter_size + rows, act, mask=row_mask)
+    if WAIT:  # tell the down kernel this tile of the pair's act is stored (expertcache.kernels.landing)
+        if (expert >= 0) & (expert < num_rows):
+            tl.debug_barrier()
+            tl.atomic_add(done_ptr + pair, 1, sem="release", scope="gpu")
 
 
 @triton.jit
 def _down_kernel(
     act_ptr, w2_ptr, scale_ptr, ids_ptr, weights_ptr, part_ptr,
     hidden_size, inter_size, num_rows, stride_expert, stride_row, stride_scale_expert, stride_scale_row,
+    done_ptr, done_target,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    WRITE_ALL: tl.constexpr, PDL: tl.constexpr,
+    WRITE_ALL: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # launched while gate_up runs: wait for its act
-        gdc_wait()
+    if PDL:  # launched while gate_up runs: wait for its act (WAIT: for each pair's, below)
+        if not WAIT:
+            gdc_wait()
         gdc_launch_dependents()
     pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -99,6 +105,8 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     served = (expert >= 0) & (expert < num_rows)
     if served:
+        if WAIT:  # every gate_up tile of this pair has stored its act
+            wait_landed(done_ptr, pair, done_target)
         w_rows = w2_ptr + expert * stride_expert + rows.to(tl.int64)[:, None] * stride_row
         scales = scale_ptr + expert * stride_scale_expert
         for start in range(0, inter_size, BLOCK_I):
@@ -256,11 +264,13 @@ DOWN_TILE = (16, 256, 4)
 
 
 def launch_pairs(
-    hidden, w1, w2, w1_scale, w2_scale, scale_block, ids, weights, act, part, write_all, landing=None
+    hidden, w1, w2, w1_scale, w2_scale, scale_block, ids, weights, act, part, write_all, landing=None, done=None
 ) -> None:
     """gate_up and down over every (token, choice): ``part[t*K + k]`` = weighted expert
     output for ids in ``[0, N)``; other rows get zeros (``write_all``) or stay as they were.
-    With ``landing`` (`expertcache.result.Landing`) gate_up waits for each slot to land."""
+    With ``landing`` (`expertcache.result.Landing`) gate_up waits for each slot to land and
+    counts each pair's stored tiles into ``done`` (``[T*K]`` int32, zero for this pass's
+    pairs), and down starts on each pair as its tiles are counted, not after all of gate_up."""
     tokens, top_k = ids.shape
     hidden_size, inter_size, num_rows = w2.shape[1], w2.shape[2], w1.shape[0]
     has_scale = w1_scale is not None
@@ -269,18 +279,22 @@ def launch_pairs(
     pairs = tokens * top_k
     (gate_rows, gate_cols, gate_warps), (down_rows, down_cols, down_warps) = GATE_UP_TILE, DOWN_TILE
     gate_rows, down_rows = program_rows(gate_rows, inter_size), program_rows(down_rows, hidden_size)
+    waits = landing is not None
+    if waits and (done is None or done.dtype != torch.int32 or done.numel() != pairs):
+        raise ValueError(f"a landed pass needs a [{pairs}] int32 counter of gate_up tiles per pair")
+    done_arg = done if done is not None else ids
     _gate_up_kernel[(pairs, triton.cdiv(inter_size, gate_rows))](
         hidden, w1, scale1, ids, act, hidden_size, inter_size, top_k, num_rows,
         hidden.stride(0), w1.stride(0), w1.stride(1), scale1.stride(0), scale1.stride(1),
-        *landing_args(landing, ids),
+        *landing_args(landing, ids), done_arg,
         BLOCK_I=gate_rows, BLOCK_H=gate_cols, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block, num_warps=gate_warps,
-        WAIT=landing is not None, **chained(hidden.device),
+        WAIT=waits, **chained(hidden.device),
     )  # fmt: skip
     _down_kernel[(pairs, triton.cdiv(hidden_size, down_rows))](
         act, w2, scale2, ids, weights, part, hidden_size, inter_size, num_rows,
-        w2.stride(0), w2.stride(1), scale2.stride(0), scale2.stride(1),
+        w2.stride(0), w2.stride(1), scale2.stride(0), scale2.stride(1), done_arg, triton.cdiv(inter_size, gate_rows),
         BLOCK_H=down_rows, BLOCK_I=down_cols, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block, WRITE_ALL=write_all,
-        num_warps=down_warps, **chained(hidden.device),
+        WAIT=waits, num_warps=down_warps, **chained(hidden.device),
     )  # fmt: skip
 
 

@@ -9,16 +9,20 @@ after the layer's last byte arrives the whole misses' apply still runs. With the
                  expert (after a barrier, with release semantics at GPU scope)
     apply        per (pair | block of pairs): spin until landed[slot] >= target, acquire,
                  then read the slot; launched once the admission is done, not the copies
+    GEMV down    per pair: spin until each of its gate_up tiles has counted itself into a
+                 per-call counter of the pair (``done``), instead of waiting for all of gate_up
 
 ``target`` is the chunks one expert takes over all of the layer's copy groups, so a slot
 reads ``target`` once every byte of its expert has landed. A pass hands its counters to the
 apply in `expertcache.result.Landing`; only kernels that call `wait_landed` may be given
 such a result (``provider.passes(ids, overlap=True, landing=True)``).
 
-Progress: the waiting programs only ever wait for copy programs that were launched before
-them and hold their SMs (the copy kernel is launched while the admission runs, on a stream
-of higher priority, and the apply only after the admission is done), so a grid of
-waiting programs larger than the GPU cannot starve the copies it waits for.
+Progress: the waiting programs only ever wait for programs that were launched before them
+and hold their SMs: gate_up waits for the copy kernel, launched while the admission runs on
+a stream of higher priority (the apply only after the admission is done); down waits for
+gate_up, which it follows by programmatic launch (down's programs start only once every
+gate_up program has). So a grid of waiting programs larger than the GPU cannot starve the
+programs it waits for.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import triton.language as tl
 @triton.jit
 def wait_landed(landed_ptr, slot, target):
     """Block the program until ``landed[slot] >= target``; the program's later loads see
-    every byte the copy kernel stored before counting it."""
+    every byte stored before the counts it waited for (by the copy kernel, or gate_up)."""
     while tl.load(landed_ptr + slot, volatile=True) < target:
         pass
     tl.atomic_add(landed_ptr + slot, 0, sem="acquire", scope="gpu")  # one thread acquires ...

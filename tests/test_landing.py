@@ -146,3 +146,31 @@ def test_bad_landing_input_is_refused_and_changes_nothing(device):
     with pytest.raises(ValueError, match="landed must be an int32 counter per slot"):
         copy_experts(torch.zeros(64, dtype=torch.uint8), slots, plan, segments, unit=4, num_experts=2,
                      landed=torch.zeros(3, dtype=torch.int32, device=device))  # fmt: skip
+
+
+@pytest.mark.parametrize("device", devices())
+def test_gate_up_counts_each_served_pairs_tiles_for_down(device):
+    """A landed GEMV pass: gate_up counts its tiles into the pass's pairs only (a pair of
+    another pass, -1 here, keeps its count), and its output rows equal the unlanded launch's."""
+    from expertcache.kernels._launch import program_rows
+    from expertcache.kernels.expert_apply import GATE_UP_TILE, launch_pairs
+
+    gen = torch.Generator().manual_seed(6)
+    weights = {name: t.to(device) for name, t in random_weights(5, HIDDEN, INTER, generator=gen).items()}
+    ids = torch.tensor([[0, -1, 3], [4, 3, -1]], dtype=torch.int32, device=device)
+    hidden, router = torch.randn(2, HIDDEN, generator=gen).to(device), torch.rand(2, 3, generator=gen).to(device)
+    landing = Landing(torch.full((5,), 7, dtype=torch.int32, device=device), 7)  # every slot landed
+    outputs = []
+    for counted in (False, True):
+        act = torch.zeros(6, INTER, device=device)
+        part = torch.full((6, HIDDEN), 5.0, device=device)
+        done = torch.tensor([0, 9, 0, 0, 0, 9], dtype=torch.int32, device=device) if counted else None
+        launch_pairs(hidden, weights["w1"], weights["w2"], None, None, 128, ids, router, act, part, False,
+                     landing if counted else None, done)  # fmt: skip
+        outputs.append(part)
+    tiles = -(-INTER // program_rows(GATE_UP_TILE[0], INTER))
+    assert done.tolist() == [tiles, 9, tiles, tiles, tiles, 9]
+    assert torch.equal(outputs[0], outputs[1]) and bool((outputs[1][[1, 5]] == 5.0).all())
+    with pytest.raises(ValueError, match="counter of gate_up tiles per pair"):
+        launch_pairs(hidden, weights["w1"], weights["w2"], None, None, 128, ids, router, act, part, False, landing,
+                     done[:3])  # fmt: skip
