@@ -39,9 +39,9 @@ from expertcache.layer_shares import LayerFloor, layer_share
 from expertcache.layout import ExpertLayout, layout_from_weights
 from expertcache.mover import MOVERS, POISON, CopyExpert, CopyGroup, DecodeGroup, copy_groups, copy_pairs
 from expertcache.policies import EvictionPolicy, claim_policy, make_policy
+from expertcache.result import Landing
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
-from expertcache.result import Landing
 from expertcache.validation import check_flag, check_mode_device, check_overlap, check_topk_ids, resolve_device
 
 MODES = ("host", "device")

@@ -128,7 +128,11 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     with path.open(newline="") as handle:
         rows = {(row["variant"], row["batch"]): row for row in csv.DictReader(handle)}
     assert {variant for variant, _ in rows} == {
-        "resident", "device", "device copies only", "device serial", "device unlanded"
+        "resident",
+        "device",
+        "device copies only",
+        "device serial",
+        "device unlanded",
     }
     for batch in ("1", "8"):
         cached, floor, one_by_one = (

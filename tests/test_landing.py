@@ -49,9 +49,9 @@ def test_landed_passes_carry_full_counters_and_compute_what_the_others_do(device
         ids = random_topk(tokens, 3, EXPERTS, generator=gen).to(device)
         hidden = torch.randn(tokens, HIDDEN, generator=gen).to(device)
         router = torch.rand(ids.shape, generator=gen).to(device)
-        seen = []
+        seen: list[Landing | None] = []
 
-        def checked(results):
+        def checked(results, seen=seen):
             for result in results:
                 seen.append(result.landing)
                 if result.landing is not None:  # read while this pass is current: its slots are its own
