@@ -88,10 +88,8 @@ class DecodeStack:
         if overlap is None:
             overlap = apply in (moe_apply_passes, moe_apply_quant_passes)
         self.overlap = check_overlap(overlap)
-        if landing is None:
-            landing = self.overlap and getattr(apply, "func", apply) is moe_apply_passes
-        self.landing = check_flag("landing", landing)
-        if self.landing and not self.overlap:
+        self._landing = None if landing is None else check_flag("landing", landing)
+        if self._landing and not self.overlap:
             raise ValueError("landing needs overlap: only overlapped passes hand over copies still arriving")
         gen = torch.Generator().manual_seed(seed)
         scale = hidden_size**-0.5
@@ -102,6 +100,14 @@ class DecodeStack:
         self.router = [
             (torch.randn(hidden_size, num_experts, generator=gen) * scale).to(device, dtype) for _ in self.providers
         ]
+
+    @property
+    def landing(self) -> bool:
+        """Whether the caches are asked for landing counters: as given, or (None) whether the
+        stack overlaps and its ``apply`` (now: it may be swapped) is `moe_apply_passes`."""
+        if self._landing is not None:
+            return self._landing
+        return self.overlap and getattr(self.apply, "func", self.apply) is moe_apply_passes
 
     @property
     def num_layers(self) -> int:

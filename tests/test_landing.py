@@ -8,6 +8,8 @@ the others do; on a GPU the same tests run with the copies on the pool's copy st
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import devices
@@ -99,6 +101,11 @@ def test_a_decode_stack_lands_only_for_an_apply_that_waits(device):
     assert not DecodeStack([], HIDDEN, EXPERTS, dtype=torch.float32, device=device, overlap=False).landing
     quant = DecodeStack([], HIDDEN, EXPERTS, dtype=torch.float32, device=device, apply=moe_apply_quant_passes)
     assert quant.overlap and not quant.landing
+    quant.apply = moe_apply_passes  # a stack whose apply is swapped asks as its new apply allows
+    assert quant.landing
+    landed_copy = DecodeStack([], HIDDEN, EXPERTS, dtype=torch.float32, device=device)
+    landed_copy.apply = functools.partial(moe_apply_quant_passes, scheme=None)
+    assert landed_copy.overlap and not landed_copy.landing
     with pytest.raises(ValueError, match="landing needs overlap"):
         DecodeStack([], HIDDEN, EXPERTS, dtype=torch.float32, device=device, overlap=False, landing=True)
     with pytest.raises(TypeError, match="landing must be True or False"):
