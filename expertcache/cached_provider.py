@@ -209,9 +209,9 @@ class CachedWeightProvider(ExpertWeightProvider):
                 on a side stream) and then its misses (`SlotPool.passes`).
             landing: the caller's kernel waits on ``result.landing`` counters before it
                 reads a slot (`expertcache.kernels.landing`; `moe_apply_passes` does): an
-                overlapped device-mode call then hands over its copied passes once they are
-                admitted, and the kernel starts on each expert as it lands. Elsewhere
-                (`SlotPool.passes`) the results carry no counters.
+                overlapped device-mode call captured in a CUDA graph then hands over its
+                copied passes once they are admitted, and the kernel starts on each expert as
+                it lands. Elsewhere (`SlotPool.passes`) the results carry no counters.
 
         Returns:
             An iterator of `ExpertWeightResult` (slot tensors as from ``prepare``), one per

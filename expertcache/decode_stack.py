@@ -91,6 +91,11 @@ class DecodeStack:
         self._landing = None if landing is None else check_flag("landing", landing)
         if self._landing and not self.overlap:
             raise ValueError("landing needs overlap: only overlapped passes hand over copies still arriving")
+        if self._landing and getattr(apply, "func", apply) is moe_apply_quant_passes:
+            raise ValueError(
+                "landing=True needs an apply that waits on landing counters (moe_apply_passes); "
+                "moe_apply_quant_passes does not"
+            )
         gen = torch.Generator().manual_seed(seed)
         scale = hidden_size**-0.5
         self.providers = list(providers)

@@ -54,9 +54,10 @@ counters, as `expertcache.kernels.moe_apply_passes` does) the admission also zer
 counter per slot and the copy kernel counts each expert's chunks into it
 (`expertcache.kernels.landing`); the current stream then waits for each pass's admission,
 not its copies, and the pass comes with its counters, so its kernel starts on each expert
-as it lands. Only where the copy kernel is launched while the admission runs (sm_90+,
-`expertcache.kernels._launch.chains_launches`) or under the interpreter; elsewhere, and
-for decoded (coded) stores, the passes come as without it (no counters).
+as it lands. Only inside a CUDA graph capture where the copy kernel is launched while the
+admission runs (sm_90+ with `expertcache.kernels._launch.PROGRAMMATIC_LAUNCH` on), and under
+the interpreter; elsewhere (eager GPU calls included), and for decoded (coded) stores, the
+passes come as without it (no counters).
 
 ``prefetch(ids)`` admits and copies predicted experts on the pool's copy stream (counted
 apart, in the ``prefetched`` counters); the pool's next call joins that stream first::
@@ -159,9 +160,11 @@ def passes(
 
 def _lands_apart(pool: SlotPool) -> bool:
     """Whether an apply may wait on landing counts on this pool's device: under the
-    interpreter (programs run in order), or where the copy kernel is launched while the
-    admission runs (programmatic launch), so it holds its SMs before any apply waits on it."""
-    return pool.device.type != "cuda" or chains_launches(pool.device)
+    interpreter (programs run in order), or inside a CUDA graph capture where the copy kernel
+    is launched while the admission runs (a programmatic edge) and the graph keeps the copy
+    stream's priority per node (PyTorch instantiates graphs with node priorities), so the
+    copy kernel holds its SMs before any apply waits on it. Eager GPU calls wait for copies."""
+    return pool.device.type != "cuda" or (chains_launches(pool.device) and _capturing(pool))
 
 
 def _run(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, pass_of: torch.Tensor, index: int) -> torch.Tensor:

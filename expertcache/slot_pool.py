@@ -278,9 +278,10 @@ class SlotPool:
             landing: the caller's kernel waits on `expertcache.result.Landing` counters
                 (`expertcache.kernels.landing`): an overlapped device-mode call then hands
                 its copied passes over once admitted, with their counters, instead of once
-                copied. Where counters cannot be used (host mode, decoded stores, a GPU
-                without programmatic launch, a call that is not overlapped) the passes come
-                without them, every slot filled as without ``landing``.
+                copied, inside a CUDA graph capture on sm_90+ (programmatic launch on) and
+                under the interpreter. Elsewhere (host mode, decoded stores, eager GPU
+                calls, a call that is not overlapped) the passes come without counters,
+                every slot filled as without ``landing``.
 
         Returns:
             An iterator of ``(slot ids, landing)``, one per pass. Slot ids are ``[T, K]``:

@@ -79,9 +79,9 @@ def _gate_up_kernel(
             up += u * x[None, :]
     gate_sum = tl.sum(gate, axis=1)
     act = gate_sum / (1.0 + tl.exp(-gate_sum)) * tl.sum(up, axis=1)
-    tl.store(act_ptr + pair * inter_size + rows, act, mask=row_mask)
-    if WAIT:  # tell the down kernel this tile of the pair's act is stored (expertcache.kernels.landing)
-        if (expert >= 0) & (expert < num_rows):
+    if (expert >= 0) & (expert < num_rows):  # only a served pair's act is read (by down)
+        tl.store(act_ptr + pair * inter_size + rows, act, mask=row_mask)
+        if WAIT:  # tell the down kernel this tile of the pair's act is stored (expertcache.kernels.landing)
             tl.debug_barrier()
             tl.atomic_add(done_ptr + pair, 1, sem="release", scope="gpu")
 
@@ -122,6 +122,9 @@ def _down_kernel(
         tl.store(part_ptr + pair * hidden_size + rows, acc, mask=row_mask)
     elif served:  # other rows belong to another pass: left as they are
         tl.store(part_ptr + pair * hidden_size + rows, acc, mask=row_mask)
+    if PDL:
+        if WAIT:  # end after gate_up, as without WAIT: what follows this kernel follows both
+            gdc_wait()
 
 
 @triton.jit

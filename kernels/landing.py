@@ -17,12 +17,15 @@ reads ``target`` once every byte of its expert has landed. A pass hands its coun
 apply in `expertcache.result.Landing`; only kernels that call `wait_landed` may be given
 such a result (``provider.passes(ids, overlap=True, landing=True)``).
 
-Progress: the waiting programs only ever wait for programs that were launched before them
-and hold their SMs: gate_up waits for the copy kernel, launched while the admission runs on
-a stream of higher priority (the apply only after the admission is done); down waits for
-gate_up, which it follows by programmatic launch (down's programs start only once every
-gate_up program has). So a grid of waiting programs larger than the GPU cannot starve the
-programs it waits for.
+Progress: a waiting program never waits for a program launched after it. gate_up waits
+for the copy kernel, whose programs are launched while the admission runs (a programmatic
+edge in the captured graph) on the copy stream, whose higher priority the graph keeps per
+node, while the apply can start only once the admission is done; down waits for gate_up,
+which it follows by programmatic launch (down's programs start only once every gate_up
+program has), and ends only after all of gate_up. This rests on CUDA scheduling resident
+and higher-priority work first, which it documents as a preference, not a guarantee; that
+is why only captured graphs (and the interpreter, whose programs run in order) take
+landing counts, and eager GPU calls wait for whole copies.
 """
 
 from __future__ import annotations
