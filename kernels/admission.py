@@ -30,6 +30,7 @@ import triton
 
 from expertcache.kernels._launch import chains_launches, runs_on, walk_launch
 from expertcache.kernels.admission_kernels import _admit_kernel, _admit_small_kernel
+from expertcache.kernels.landing import check_landed
 from expertcache.kernels.slot_tables import SlotTables
 
 #: Largest call (T * K ids) served by the register kernel.
@@ -113,7 +114,8 @@ def admit(
         raise ValueError("miss_out must be a contiguous tensor like out")
     common["SPLIT"] = miss_out is not None
     miss_out = out if miss_out is None else miss_out  # any pointer of out's type when unused
-    check_landed(landed, landed_target, num_slots, topk_ids.device)
+    if landed is not None:
+        check_landed(landed, num_slots, topk_ids.device, landed_target)
     common["HAS_LANDED"] = landed is not None
     landed_arg = landed if landed is not None else tables.slot_to_key  # any int32 pointer when unused
     block, warps = walk_launch(num_ids, block_ids, num_warps, min_warps=8 if block_slots > 1024 else 4)  # checks both
@@ -130,16 +132,6 @@ def admit(
             tables.share, pass_index, landed_target,
             BLOCK_IDS=block, num_warps=warps, **common,
         )  # fmt: skip
-
-
-def check_landed(landed: torch.Tensor | None, target: int, num_slots: int, device: torch.device) -> None:
-    """Refuse landing counters that are not ``[S]`` int32 on ``device``, or a target below one."""
-    if landed is None:
-        return
-    if landed.dtype != torch.int32 or landed.shape != (num_slots,) or landed.device != device:
-        raise ValueError(f"landed must be an int32 counter per slot ({num_slots}) on {device}")
-    if not isinstance(target, int) or target < 1:
-        raise ValueError(f"landed_target must be a positive int (an expert's chunks), got {target!r}")
 
 
 def admit_torch(

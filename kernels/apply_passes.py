@@ -29,10 +29,10 @@ from typing import NamedTuple
 import torch
 
 from expertcache.kernels._launch import on_device
-from expertcache.kernels.admission import check_landed
 from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
 from expertcache.kernels.expert_apply import launch_pairs, launch_sum
 from expertcache.kernels.grouped_apply import _TENSOR_CORE_DTYPES, default_tiles, launch_grouped_pairs, takes_grouped
+from expertcache.kernels.landing import check_landed
 from expertcache.result import ExpertWeightResult, Landing
 
 
@@ -89,7 +89,7 @@ def sum_over_passes(
 
 def check_landing(landing: Landing, w1: torch.Tensor) -> None:
     """A result's `Landing` counters: ``[N]`` int32 on the weights' device, a positive target."""
-    check_landed(landing.counts, landing.target, w1.shape[0], w1.device)
+    check_landed(landing.counts, w1.shape[0], w1.device, landing.target)
 
 
 def moe_apply_passes(

@@ -37,6 +37,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from expertcache.kernels._launch import chained, runs_on
+from expertcache.kernels.landing import check_landed
 
 # Measured on an H200 (benchmarks/README.md): 64 x 4096 is best or within 2 GB/s of the best
 # grid for 1 to 32 experts of 9.4 MB and 44 MB.
@@ -234,10 +235,8 @@ def copy_experts(
         raise ValueError("slot tensors must be contiguous and on one device")
     if not runs_on(slots[0]):
         raise RuntimeError("the copy kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
-    if landed is not None and (
-        landed.dtype != torch.int32 or landed.shape != (slots[0].shape[0],) or landed.device != slots[0].device
-    ):
-        raise ValueError(f"landed must be an int32 counter per slot ({slots[0].shape[0]}) on {slots[0].device}")
+    if landed is not None:
+        check_landed(landed, slots[0].shape[0], slots[0].device)
     word = _WORD[unit]
     if num_programs is None:
         num_programs = DEFAULT_PROGRAMS if slots[0].is_cuda else 2

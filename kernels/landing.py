@@ -30,8 +30,17 @@ landing counts, and eager GPU calls wait for whole copies.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def check_landed(landed: torch.Tensor, num_slots: int, device: torch.device, target: int | None = None) -> None:
+    """Refuse landing counters that are not ``[S]`` int32 on ``device``, or (given) a target below one."""
+    if landed.dtype != torch.int32 or landed.shape != (num_slots,) or landed.device != device:
+        raise ValueError(f"landed must be an int32 counter per slot ({num_slots}) on {device}")
+    if target is not None and (not isinstance(target, int) or target < 1):
+        raise ValueError(f"landed_target must be a positive int (an expert's chunks), got {target!r}")
 
 
 @triton.jit
