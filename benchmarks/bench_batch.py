@@ -642,7 +642,8 @@ def prefill_once(bench: Bench, build: Callable[[], Variant], hidden, routing, re
 
 
 def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Path | None:
-    """tokens/s against batch size, one panel per cache fraction, one line per variant."""
+    """tokens/s against batch size, one panel per cache fraction, one line per variant a user
+    can run (the floor and the oracle prefetches are measurements, not ways to serve)."""
     try:
         import matplotlib
 
@@ -651,7 +652,7 @@ def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Pa
     except ImportError:
         print("matplotlib is not installed: no plot")
         return None
-    width = max(6.5, 5 * len(fractions))
+    width = max(7.5, 5 * len(fractions) + 1.5)
     fig, axes = plt.subplots(1, len(fractions), figsize=(width, 4.5), sharey=True, squeeze=False)
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colors: dict[str, str] = {}  # one color per variant in every panel, so the one legend holds
@@ -659,7 +660,8 @@ def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Pa
         cache = f"{fraction:.0%}"
         lines: dict[str, list] = {}
         for row in rows:
-            if "tok_per_s" in row and row["cache"] in ("all", "stream", cache) and "copies only" not in row["variant"]:
+            servable = "copies only" not in row["variant"] and "prefetch" not in row["variant"]
+            if "tok_per_s" in row and row["cache"] in ("all", "stream", cache) and servable:
                 lines.setdefault(row["variant"], []).append((row["batch"], row["tok_per_s"]))
         for name, points in lines.items():
             color = colors.setdefault(name, palette[len(colors) % len(palette)])
@@ -672,9 +674,9 @@ def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Pa
     for axis in axes[0]:
         for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
             legend.setdefault(label, handle)
-    axes[0][-1].legend(legend.values(), legend.keys(), fontsize=8)
+    fig.legend(legend.values(), legend.keys(), fontsize=8, loc="center right")  # beside the panels, over no line
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.9, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

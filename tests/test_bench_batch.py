@@ -78,7 +78,8 @@ def test_replot_draws_the_newest_default_rows_of_the_given_commits(tmp_path, mon
 
 def test_plot_gives_a_variant_one_color_in_every_panel(tmp_path, monkeypatch):
     """The one legend names each variant once, so its line must look the same in every panel,
-    whichever variants a panel lacks (here host at 100%: the device line comes second there)."""
+    whichever variants a panel lacks (here host at 100%: the device line comes second there);
+    the floor and the oracle prefetches are not drawn (no user can serve so)."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
@@ -86,7 +87,8 @@ def test_plot_gives_a_variant_one_color_in_every_panel(tmp_path, monkeypatch):
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
     rows = [{"variant": variant, "cache": cache, "batch": batch, "tok_per_s": 10.0 + batch}
-            for variant, caches in (("resident", ["all"]), ("host", ["25%"]), ("device", ["25%", "100%"]))
+            for variant, caches in (("resident", ["all"]), ("host", ["25%"]), ("device", ["25%", "100%"]),
+                                    ("device copies only", ["25%"]), ("device prefetch 8/8", ["25%"]))
             for cache in caches for batch in (1, 2)]  # fmt: skip
     assert bench.plot(rows, [0.25, 1.0], tmp_path / "plot.png", "title") == tmp_path / "plot.png"
     (figure,) = figures
@@ -97,6 +99,8 @@ def test_plot_gives_a_variant_one_color_in_every_panel(tmp_path, monkeypatch):
     assert set(colors) == {"resident", "host", "device"}
     assert all(len(seen) == 1 for seen in colors.values())
     assert len({next(iter(seen)) for seen in colors.values()}) == 3
+    (legend,) = figure.legends  # one, beside the panels
+    assert [text.get_text() for text in legend.get_texts()] == ["resident", "host", "device"]
     plt.close(figure)
 
 
