@@ -22,6 +22,8 @@ process, one set of pinned stores shared by every variant, one apply kernel
       only           parts, routers, admissions and copies run; ``--floor``): what no apply,
                      overlap or kernel change can go under, since a layer's copies wait for
                      its router
+    dense only       the resident step without its expert compute (dense parts and routers
+                     only), CUDA graph: the part of a step no cache can overlap with copies
 
 (`DecodeStack` serves the device variants' calls of at most 1,024 ids with ``passes(ids,
 overlap=True)`` on pools smaller than the layer: a call that does not fit runs in overlapped
@@ -40,6 +42,15 @@ over the whole trace, so the timed steps find every expert the trace routes to r
 measured pinned copy-engine rates: a 64 MiB buffer and one whole layer's store (~1.2 GB, the
 rate streaming gets). ratio = step time / bound. ``rel_err``: the max abs difference of one
 check step's output from the resident step's (same inputs), over the resident's max abs.
+
+A cache that copies a layer's misses once its router chose them cannot overlap them with that
+layer's dense part and router (they come first), nor with the next layer's (its input needs
+the copied experts): without speculation a step takes at least its dense parts plus its
+copies. ``ratio_to_causal`` divides by that bound::
+
+    causal bound = max(resident step, dense-only step + bytes copied per step / pinned bandwidth)
+
+(``ratio_to_serial``: against resident step + copies, the step with nothing overlapped.)
 A coded variant's bound counts the raw bytes of its misses, as every other cache's does (the
 same physical limit for moving these weights); ``ratio_to_coded`` divides by the bound of the
 coded bytes it moved instead.
@@ -413,11 +424,20 @@ def error_text(err: Exception) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0][:160]
 
 
+@dataclasses.dataclass
+class Reference:
+    """The resident step at one batch size, which every variant is measured against."""
+
+    ms: float  # ms per step
+    output: torch.Tensor  # its check step's fp32 output
+    dense_ms: float | None = None  # the same step without expert compute ("dense only")
+
+
 def run_variant(bench: Bench, label: str, build: Callable[[], Variant], args, reference: dict) -> list[dict]:
     """One variant at every batch size; a failure is a row with its error, not the end.
 
-    ``reference`` maps batch size -> (resident ms per step, resident last output); the
-    resident variant fills it, every later one is measured against it.
+    ``reference`` maps batch size -> `Reference`: the resident variant fills it, the dense-only
+    one adds its time, every later one is measured against it.
     """
     start = time.perf_counter()
     try:
@@ -436,7 +456,9 @@ def run_variant(bench: Bench, label: str, build: Callable[[], Variant], args, re
             row = {"variant": variant.name, "cache": variant.cache, "batch": batch, "error": error_text(err)}
         output = row.pop("output", None)
         if variant.name == "resident" and output is not None:
-            reference[batch] = (row["ms_per_step"], output)
+            reference[batch] = Reference(row["ms_per_step"], output)
+        elif variant.name == DENSE_ONLY and batch in reference and "error" not in row:
+            reference[batch].dense_ms = row["ms_per_step"]
         rows.append(finish_row(row, output, reference.get(batch)))
         if variant.copies_only:  # it computes no experts: its output is not the model's
             for key in ("max_abs_err", "rel_err"):
@@ -452,18 +474,19 @@ def run_variant(bench: Bench, label: str, build: Callable[[], Variant], args, re
     return rows
 
 
-def finish_row(row: dict, output: torch.Tensor | None, resident: tuple | None) -> dict:
-    """Bound, ratio, and the last output's distance from the resident step's (same inputs)."""
+def finish_row(row: dict, output: torch.Tensor | None, resident: Reference | None) -> dict:
+    """Bounds, ratios, and the last output's distance from the resident step's (same inputs)."""
     coded_ms = row.pop("coded_copy_ms", None)
     if resident is None or output is None:
         return row
-    resident_ms, reference = resident
+    resident_ms, reference = resident.ms, resident.output
     row["bound_ms"] = max(resident_ms, row["copy_ms"])
     row["ratio_to_bound"] = row["ms_per_step"] / row["bound_ms"]
-    # a layer's misses are known only once its router ran, so its copies cannot overlap the
-    # layers before it: resident compute + copies is the bound without speculation
-    row["serial_bound_ms"] = resident_ms + row["copy_ms"]
+    row["serial_bound_ms"] = resident_ms + row["copy_ms"]  # nothing overlapped
     row["ratio_to_serial"] = row["ms_per_step"] / row["serial_bound_ms"]
+    if resident.dense_ms is not None:  # the copies wait for the dense parts and routers, and they for the copies
+        row["causal_bound_ms"] = max(resident_ms, resident.dense_ms + row["copy_ms"])
+        row["ratio_to_causal"] = row["ms_per_step"] / row["causal_bound_ms"]
     if coded_ms is not None:  # against the bound of the bytes it actually moved
         row["ratio_to_coded"] = row["ms_per_step"] / max(resident_ms, coded_ms)
     row["max_abs_err"] = (output - reference).abs().max().item()
@@ -476,20 +499,27 @@ def finish_row(row: dict, output: torch.Tensor | None, resident: tuple | None) -
 DECODE_COLUMNS = [
     "variant", "cache", "batch", "graph", "ms_per_step", "tok_per_s", "hit_rate", "max_passes",
     "mb_copied_per_step", "mb_prefetched_per_step", "mb_coded_per_step", "copy_ms", "bound_ms", "ratio_to_bound",
-    "ratio_to_serial", "ratio_to_coded", "overflows", "rel_err", "error",
+    "ratio_to_serial", "ratio_to_causal", "ratio_to_coded", "overflows", "rel_err", "error",
 ]  # fmt: skip
+#: the resident step without expert compute: the causal bound's part no cache overlaps with copies
+DENSE_ONLY = "dense only"
+#: measurements that no user can serve with: left out of the plot
+NOT_SERVABLE = ("copies only", "prefetch", DENSE_ONLY)
 
 
 def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[dict]], object]) -> list[dict]:
     """Every variant at every batch size, the resident one first (the others' bound and check);
     each variant's rows are handed to ``save`` as soon as they are measured (a run cut short
     keeps what it measured)."""
-    reference: dict[int, tuple[float, torch.Tensor]] = {}
+    reference: dict[int, Reference] = {}
     providers = [FullGPUProvider(w) for w in resident]
     resident.clear()  # the resident weights leave the GPU with their providers, before the caches come in
     rows = run_variant(bench, "resident", lambda: Variant("resident", "all", providers, bench.graphs, 0), args,
                        reference)  # fmt: skip
     save(rows)
+    dense = functools.partial(Variant, DENSE_ONLY, "all", providers, bench.graphs, 0, copies_only=True)
+    rows += (new := run_variant(bench, DENSE_ONLY, dense, args, reference))
+    save(new)
     providers.clear()
     builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor, args.serial,
                                 args.unlanded)  # fmt: skip
@@ -660,7 +690,7 @@ def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Pa
         cache = f"{fraction:.0%}"
         lines: dict[str, list] = {}
         for row in rows:
-            servable = "copies only" not in row["variant"] and "prefetch" not in row["variant"]
+            servable = not any(part in row["variant"] for part in NOT_SERVABLE)
             if "tok_per_s" in row and row["cache"] in ("all", "stream", cache) and servable:
                 lines.setdefault(row["variant"], []).append((row["batch"], row["tok_per_s"]))
         for name, points in lines.items():
@@ -867,7 +897,8 @@ def main() -> None:
     else:
         rows = run_decode(bench, args, resident, lambda new: append_csv("bench_batch", [{**stamp, **r} for r in new]))
         title = (f"{shape['name']} decode, {shape['layers']} layers; bound = max(resident step, copied bytes / "
-                 f"{bench.copy_gbps:.1f} GB/s); serial: resident + copies")  # fmt: skip
+                 f"{bench.copy_gbps:.1f} GB/s); serial: resident + copies; causal: max(resident, dense only + "
+                 "copies)")  # fmt: skip
         print_table(rows, DECODE_COLUMNS, title=title)
         print(f"CSV: {_common.RESULTS / 'bench_batch.csv'}")
         title = f"{shape['name']} decode, {shape['layers']} layers\n{shape['apply']}, {_common.environment()['gpu']}"

@@ -119,7 +119,8 @@ def test_copy_service_plans_name_distinct_experts_and_slots():
 def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     """Also the ``--serial`` rows: the same function, passes one after the other (full
     groups where the overlapped rows take half ones); and the ``--unlanded`` rows: the same
-    copies and output, the apply waiting for whole copies."""
+    copies and output, the apply waiting for whole copies. The ``dense only`` row (the resident
+    step without expert compute) copies nothing and sets every cached row's causal bound."""
     flags = ["--dry-run", "--only", "device 25%", "copies only", "serial", "unlanded", "--batch-sizes", "1", "8",
              "--fractions", "0.25", "--serial", "0.25", "--unlanded", "0.25", "--coded", "--prefetch",
              "--layers", "2"]  # fmt: skip
@@ -133,6 +134,7 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
         rows = {(row["variant"], row["batch"]): row for row in csv.DictReader(handle)}
     assert {variant for variant, _ in rows} == {
         "resident",
+        "dense only",
         "device",
         "device copies only",
         "device serial",
@@ -154,5 +156,11 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
         for column in ("mb_copied_per_step", "hit_rate", "max_passes"):
             assert cached[column] == whole[column], column
         assert float(whole["rel_err"]) == 0.0 and (cached["landing"], whole["landing"]) == ("", "off")
+        resident, dense = rows[("resident", batch)], rows[("dense only", batch)]
+        assert float(dense["mb_copied_per_step"]) == 0 and dense["rel_err"] == ""
+        for row in (cached, floor, one_by_one, whole):
+            causal = max(float(resident["ms_per_step"]), float(dense["ms_per_step"]) + float(row["copy_ms"]))
+            assert float(row["causal_bound_ms"]) == pytest.approx(causal, rel=1e-12)
+            assert float(row["ratio_to_causal"]) == pytest.approx(float(row["ms_per_step"]) / causal, rel=1e-12)
     # 8 tokens may need more experts than a quarter of them: overlapped passes take half groups
     assert int(rows[("device", "8")]["max_passes"]) > int(rows[("device serial", "8")]["max_passes"]) > 1
