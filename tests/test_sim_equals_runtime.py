@@ -22,6 +22,7 @@ import torch
 from helpers import real_traces
 
 from expertcache import CachedWeightProvider, SlotPool
+from expertcache.kernels import _launch
 from expertcache.sim import replay_streams, trace_calls
 from expertcache.trace import RoutingTrace, load_trace
 
@@ -38,6 +39,15 @@ FILES = [
 MAX_FORWARDS, MAX_LAYERS = 120, 3  # enough to fill and churn every cache, quick on a CPU
 
 pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="no real routing traces (../shared/traces)")
+
+
+@pytest.fixture(autouse=True)
+def _host_tables_in_torch(monkeypatch):
+    """Host mode's CPU tables take the kernels' torch references, as they do without
+    ``TRITON_INTERPRET`` (and on a GPU machine): the decisions compared here are the policy's
+    and the simulator's, and `tests/test_kernel_references.py` holds each kernel to its
+    reference. Interpreted, a call's commit took ~25 ms and this file ~10 CPU minutes."""
+    monkeypatch.setattr(_launch, "_KERNEL_DEVICE", "cuda")
 
 
 def _head(trace: RoutingTrace, *, batch: int) -> RoutingTrace:
