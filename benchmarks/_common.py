@@ -83,8 +83,8 @@ def append_csv(name: str, rows: Sequence[dict]) -> Path:
 
 
 def _write_csv(path: Path, fields: list[str], rows: Sequence[dict]) -> None:
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
+    with path.open("w", newline="") as handle:  # "\n" line ends: a run that rewrites the file changes only its rows
+        writer = csv.DictWriter(handle, fieldnames=fields, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
 

@@ -30,6 +30,7 @@ def test_rows_append_under_the_union_of_columns(common, tmp_path):
         ("a", "1.5", "", "abc1234"),
         ("b", "", "1.1", "abc1234"),
     ]
+    assert b"\r" not in (tmp_path / "bench.csv").read_bytes()  # one line end, so a rewrite is a small diff
 
 
 def test_a_file_with_rows_longer_than_its_header_is_left_alone_and_the_rows_go_aside(common, tmp_path):
