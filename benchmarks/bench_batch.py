@@ -51,6 +51,7 @@ copies. ``ratio_to_causal`` divides by that bound::
     causal bound = max(resident step, dense-only step + bytes copied per step / pinned bandwidth)
 
 (``ratio_to_serial``: against resident step + copies, the step with nothing overlapped.)
+
 A coded variant's bound counts the raw bytes of its misses, as every other cache's does (the
 same physical limit for moving these weights); ``ratio_to_coded`` divides by the bound of the
 coded bytes it moved instead.
@@ -673,7 +674,8 @@ def prefill_once(bench: Bench, build: Callable[[], Variant], hidden, routing, re
 
 def plot(rows: list[dict], fractions: list[float], path: Path, title: str) -> Path | None:
     """tokens/s against batch size, one panel per cache fraction, one line per variant a user
-    can run (the floor and the oracle prefetches are measurements, not ways to serve)."""
+    can run (the floor, the oracle prefetches and the dense-only step are measurements, not
+    ways to serve)."""
     try:
         import matplotlib
 
