@@ -19,6 +19,10 @@ captured cuStreamWaitValue32 node ("wait-value"). Variants on the same plans, si
                     the copy engine's ceiling in a graph (not a cache: it replays one plan)
     service spin    the copy service, spin-kernel wait
     service wait    the copy service, cuStreamWaitValue32 wait
+    engine switch   (``--switch``) conditional SWITCH nodes pick each miss's expert on the GPU,
+                    the copy engine copies it into a staging buffer, a kernel moves that into
+                    the slot (`_switch_copies.py`); "chain": a layer's switches one after
+                    another, "parallel": side by side
     (each also over a store on transparent huge pages, ``--huge-pages``)
 
 Physical bound: bytes / the copy engine's measured pinned bandwidth (one 256 MiB copy).
@@ -36,6 +40,7 @@ import ctypes
 import mmap
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +48,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _switch_copies  # noqa: E402
 from _common import append_csv, cuda_time_ms, pinned_copy_gbps, print_table  # noqa: E402
 
 from expertcache.kernels.copy_experts import (  # noqa: E402
@@ -182,7 +188,9 @@ def random_plans(steps: int, layers: int, misses: int, gen: torch.Generator) -> 
     return plans
 
 
-def measure(store: torch.Tensor, layers: int, misses: int, repeats: int, label: str) -> list[dict]:
+def measure(
+    store: torch.Tensor, layers: int, misses: int, repeats: int, label: str, switch: bool = False
+) -> list[dict]:
     driver = Driver()
     slots = [torch.empty(SLOTS, nbytes // 2, dtype=torch.bfloat16, device="cuda") for nbytes in NAME_BYTES]
     offsets = (0, EXPERTS * NAME_BYTES[0])
@@ -218,9 +226,10 @@ def measure(store: torch.Tensor, layers: int, misses: int, repeats: int, label: 
                 for target, offset, nbytes in zip(byte_slots, offsets, NAME_BYTES, strict=True)
             )  # fmt: skip
 
-    def capture(enqueue) -> torch.cuda.CUDAGraph:
+    def capture(enqueue, warm: bool = True) -> torch.cuda.CUDAGraph:
         load_plan()
-        enqueue()
+        if warm:  # an eager pass first (the switch copies exist only in a graph)
+            enqueue()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -247,6 +256,15 @@ def measure(store: torch.Tensor, layers: int, misses: int, repeats: int, label: 
                     target[slot * nbytes : (slot + 1) * nbytes].copy_(source, non_blocking=True)
 
     timed("engine fixed", capture(engine_fixed_step))
+
+    for chained in (True, False) if switch else ():
+        started = time.perf_counter()
+        copies = _switch_copies.SwitchCopies(store, offsets, NAME_BYTES, slots, EXPERTS, misses, chained)
+        graph = capture(lambda copies=copies: [copies.enqueue(plan[layer]) for layer in range(layers)], warm=False)
+        built_s = time.perf_counter() - started
+        timed(f"engine switch {'chain' if chained else 'parallel'}", graph)
+        rows[-1].update(memcpy_nodes=copies.nodes_built, build_s=built_s)
+        del graph, copies
 
     mailbox = torch.zeros(layers, 2 + 2 * MAX_COPIES, dtype=torch.int32).pin_memory()
     mailbox_pointers = [MappedHostPointer(mailbox[layer], torch.int32) for layer in range(layers)]
@@ -291,7 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--misses", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--huge-pages", action="store_true")
+    parser.add_argument("--switch", action="store_true", help="also the conditional SWITCH copies (engine switch)")
     args = parser.parse_args(argv)
+    if args.switch and (why := _switch_copies.unavailable()):
+        parser.error(f"--switch cannot run here: {why}")
+    if args.switch and max(args.misses) > _switch_copies.MAX_SWITCHES:
+        parser.error(f"--switch takes --misses up to {_switch_copies.MAX_SWITCHES}")
     if not all(1 <= misses <= SLOTS for misses in args.misses) or args.layers < 1 or args.repeats < 1:
         parser.error(f"--misses must lie in 1..{SLOTS} (distinct slots a layer), --layers and --repeats >= 1")
     sys.setswitchinterval(1e-4)  # the service thread spins: hand the GIL over quickly
@@ -302,10 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         store = make_store(huge)
         label = "huge pages" if huge else "pin_memory"
         for misses in args.misses:
-            rows += measure(store, args.layers, misses, args.repeats, label)
+            rows += measure(store, args.layers, misses, args.repeats, label, args.switch)
             for row in rows:
                 row.setdefault("vs_bound", row["gbps"] / bound)
-    print_table(rows, ["store", "misses", "variant", "ms", "gbps", "vs_bound", "equal", "spin_failures", "errors"],
+    print_table(rows, ["store", "misses", "variant", "ms", "gbps", "vs_bound", "equal", "spin_failures", "errors",
+                       "memcpy_nodes", "build_s"],
                 title=f"{args.layers} layers a step, 9.44 MB experts; bound {bound:.1f} GB/s")  # fmt: skip
     append_csv("bench_copy_service", [{**row, "layers": args.layers, "bound_gbps": bound} for row in rows])
     return 0
