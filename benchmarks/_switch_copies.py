@@ -74,16 +74,19 @@ class SwitchCopies:
     ``store``: pinned ``uint8`` store; ``offsets[j]``, ``nbytes[j]``: where tensor ``j`` of
     expert ``e`` lies (``offsets[j] + e * nbytes[j]``); ``slots[j]``: ``[S, ...]`` GPU slot
     tensors; ``misses``: switches a layer (staging buffers); ``chained``: the switches one
-    after another (else side by side, each free to take its own copy queue).
+    after another (else side by side, each free to take its own copy queue); ``move``: False
+    leaves the copies in staging (an ablation: what the staging-to-slot kernel costs).
     """
 
-    def __init__(self, store: torch.Tensor, offsets, nbytes, slots, experts: int, misses: int, chained: bool):
+    def __init__(self, store: torch.Tensor, offsets, nbytes, slots, experts: int, misses: int, chained: bool,
+                 move: bool = True):  # fmt: skip
         from cuda.bindings import driver
 
         if not 1 <= misses <= MAX_SWITCHES:
             raise ValueError(f"misses must lie in 1..{MAX_SWITCHES}, got {misses}")
         self.cu, self.store, self.offsets, self.nbytes = driver, store, offsets, nbytes
         self.slots, self.experts, self.misses, self.chained = slots, experts, misses, chained
+        self.move = move
         self.staging = [torch.empty(misses, n // 8, dtype=torch.int64, device="cuda") for n in nbytes]
         self.major = int(__import__("cuda.bindings").bindings.__version__.split(".")[0])
         self._check(driver.cuInit(0))
@@ -168,5 +171,5 @@ class SwitchCopies:
                     source = self.store.data_ptr() + self.offsets[j] + expert * self.nbytes[j]
                     self._memcpy(body, source, staging[k].data_ptr(), self.nbytes[j])
         self._set_dependencies(stream, ends[-1:] if self.chained else ends)
-        for staging, slot in zip(self.staging, self.slots, strict=True):
+        for staging, slot in zip(self.staging, self.slots, strict=True) if self.move else ():
             self._move(plan_row, staging, slot)

@@ -22,7 +22,8 @@ captured cuStreamWaitValue32 node ("wait-value"). Variants on the same plans, si
     engine switch   (``--switch``) conditional SWITCH nodes pick each miss's expert on the GPU,
                     the copy engine copies it into a staging buffer, a kernel moves that into
                     the slot (`_switch_copies.py`); "chain": a layer's switches one after
-                    another, "parallel": side by side
+                    another, "parallel": side by side; "no move": the copies left in staging
+                    (what the move into the slot costs)
     (each also over a store on transparent huge pages, ``--huge-pages``)
 
 Physical bound: bytes / the copy engine's measured pinned bandwidth (one 256 MiB copy).
@@ -215,7 +216,7 @@ def measure(
         ms = cuda_time_ms(one, repeats=repeats)
         nbytes = layers * misses * sum(NAME_BYTES)
         rows.append({"store": label, "misses": misses, "variant": name, "ms": ms, "gbps": nbytes / ms / 1e6})
-        if name != "engine fixed":  # the last layer's copies landed in their slots
+        if name != "engine fixed" and not name.endswith("no move"):  # the last layer's copies landed in their slots
             torch.cuda.synchronize()
             last = plan[-1].cpu()
             last = [(int(last[1 + 2 * r]), int(last[2 + 2 * r])) for r in range(misses)]
@@ -257,12 +258,12 @@ def measure(
 
     timed("engine fixed", capture(engine_fixed_step))
 
-    for chained in (True, False) if switch else ():
+    for chained, move in ((True, True), (False, True), (False, False)) if switch else ():
         started = time.perf_counter()
-        copies = _switch_copies.SwitchCopies(store, offsets, NAME_BYTES, slots, EXPERTS, misses, chained)
+        copies = _switch_copies.SwitchCopies(store, offsets, NAME_BYTES, slots, EXPERTS, misses, chained, move)
         graph = capture(lambda copies=copies: [copies.enqueue(plan[layer]) for layer in range(layers)], warm=False)
         built_s = time.perf_counter() - started
-        timed(f"engine switch {'chain' if chained else 'parallel'}", graph)
+        timed(f"engine switch {'chain' if chained else 'parallel'}{'' if move else ', no move'}", graph)
         rows[-1].update(memcpy_nodes=copies.nodes_built, build_s=built_s)
         del graph, copies
 
