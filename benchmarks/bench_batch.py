@@ -21,7 +21,7 @@ process, one set of pinned stores shared by every variant, one apply kernel
     device copies    device mode, per-layer pools, the step without its expert compute (dense
       only           parts, routers, admissions and copies run; ``--floor``): what no apply,
                      overlap or kernel change can go under, since a layer's copies wait for
-                     its router
+                     its router; ``device global copies only``: the same for the shared pool
     dense only       the resident step without its expert compute (dense parts and routers
                      only), CUDA graph: the part of a step no cache can overlap with copies
 
@@ -233,8 +233,9 @@ def cached(
     return Variant(name, f"{fraction:.0%}", providers, graph, num_slots=providers[0].pool.share)
 
 
-def copies_only(bench: Bench, fraction: float) -> Variant:
-    return dataclasses.replace(cached(bench, fraction, "device", False), name="device copies only", copies_only=True)
+def copies_only(bench: Bench, fraction: float, shared: bool = False) -> Variant:
+    variant = cached(bench, fraction, "device", shared)
+    return dataclasses.replace(variant, name=f"{variant.name} copies only", copies_only=True)
 
 
 def serial(bench: Bench, fraction: float) -> Variant:
@@ -286,8 +287,9 @@ def variant_builders(
         if fraction in coded and bench.coded_stores:
             build = functools.partial(cached, bench, fraction, "device", False, True)
             builders.append((f"device coded {fraction:.0%}", build))
-        if fraction in floor:
-            builders.append((f"device copies only {fraction:.0%}", functools.partial(copies_only, bench, fraction)))
+        for shared in (False, True) if fraction in floor else ():
+            label = f"device{' global' if shared else ''} copies only {fraction:.0%}"
+            builders.append((label, functools.partial(copies_only, bench, fraction, shared)))
         if fraction in serial_at:
             builders.append((f"device serial {fraction:.0%}", functools.partial(serial, bench, fraction)))
         if fraction in unlanded_at:
@@ -742,8 +744,8 @@ def parse_args() -> argparse.Namespace:
                         help="decode: only the variants whose label contains one of these (e.g. 'global' "
                              "'device 25%%'), besides the resident one")  # fmt: skip
     parser.add_argument("--floor", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
-                        help="device mode without expert compute (admissions, copies, dense parts) at these "
-                             "fractions: the floor of any apply (none given: none)")  # fmt: skip
+                        help="device mode without expert compute (admissions, copies, dense parts), per-layer "
+                             "and global pools, at these fractions: the floor of any apply (none: none)")  # fmt: skip
     parser.add_argument("--serial", type=float, nargs="*", default=[], metavar="FRACTION",
                         help="device mode at these fractions with passes one after the other (no overlap), beside "
                              "the overlapped rows: the overlap's gain in one process")  # fmt: skip

@@ -119,9 +119,11 @@ def test_copy_service_plans_name_distinct_experts_and_slots():
 def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     """Also the ``--serial`` rows: the same function, passes one after the other (full
     groups where the overlapped rows take half ones); and the ``--unlanded`` rows: the same
-    copies and output, the apply waiting for whole copies. The ``dense only`` row (the resident
+    copies and output, the apply waiting for whole copies; the shared pool's floor (``device
+    global copies only``) against ``device global``. The ``dense only`` row (the resident
     step without expert compute) copies nothing and sets every cached row's causal bound."""
-    flags = ["--dry-run", "--only", "device 25%", "copies only", "serial", "unlanded", "--batch-sizes", "1", "8",
+    flags = ["--dry-run", "--only", "device 25%", "global 25%", "copies only", "serial", "unlanded",
+             "--batch-sizes", "1", "8",
              "--fractions", "0.25", "--serial", "0.25", "--unlanded", "0.25", "--coded", "--prefetch",
              "--layers", "2"]  # fmt: skip
     command = [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags]
@@ -137,6 +139,8 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
         "dense only",
         "device",
         "device copies only",
+        "device global",
+        "device global copies only",
         "device serial",
         "device unlanded",
     }
@@ -152,6 +156,10 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
         assert float(cached["rel_err"]) == 0.0 == float(one_by_one["rel_err"])  # the resident step's output
         assert floor["rel_err"] == ""  # the floor computes no experts: no output to compare
         assert (cached["overlap"], one_by_one["overlap"]) == ("on", "off")
+        shared, shared_floor = rows[("device global", batch)], rows[("device global copies only", batch)]
+        for column in ("mb_copied_per_step", "hit_rate", "max_passes"):
+            assert shared[column] == shared_floor[column], column
+        assert float(shared["rel_err"]) == 0.0 and shared_floor["rel_err"] == ""
         whole = rows[("device unlanded", batch)]
         for column in ("mb_copied_per_step", "hit_rate", "max_passes"):
             assert cached[column] == whole[column], column
