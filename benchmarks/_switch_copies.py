@@ -80,10 +80,10 @@ class SwitchCopies:
 
     def __init__(self, store: torch.Tensor, offsets, nbytes, slots, experts: int, misses: int, chained: bool,
                  move: bool = True):  # fmt: skip
-        from cuda.bindings import driver
-
         if not 1 <= misses <= MAX_SWITCHES:
             raise ValueError(f"misses must lie in 1..{MAX_SWITCHES}, got {misses}")
+        from cuda.bindings import driver
+
         self.cu, self.store, self.offsets, self.nbytes = driver, store, offsets, nbytes
         self.slots, self.experts, self.misses, self.chained = slots, experts, misses, chained
         self.move = move

@@ -312,10 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--huge-pages", action="store_true")
     parser.add_argument("--switch", action="store_true", help="also the conditional SWITCH copies (engine switch)")
     args = parser.parse_args(argv)
-    if args.switch and (why := _switch_copies.unavailable()):
-        parser.error(f"--switch cannot run here: {why}")
     if args.switch and max(args.misses) > _switch_copies.MAX_SWITCHES:
         parser.error(f"--switch takes --misses up to {_switch_copies.MAX_SWITCHES}")
+    if args.switch and (why := _switch_copies.unavailable()):
+        parser.error(f"--switch cannot run here: {why}")
     if not all(1 <= misses <= SLOTS for misses in args.misses) or args.layers < 1 or args.repeats < 1:
         parser.error(f"--misses must lie in 1..{SLOTS} (distinct slots a layer), --layers and --repeats >= 1")
     sys.setswitchinterval(1e-4)  # the service thread spins: hand the GIL over quickly

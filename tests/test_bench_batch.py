@@ -32,6 +32,7 @@ from helpers import BENCHMARKS, bench_module, traces_env
         ("bench_copy_service", ["--misses", "0"], "--misses must lie in 1..64"),
         ("bench_copy_service", ["--misses", "65"], "--misses must lie in 1..64"),  # more than the slots
         ("bench_copy_service", ["--layers", "0"], "--layers and --repeats >= 1"),
+        ("bench_copy_service", ["--switch", "--misses", "32"], "--switch takes --misses up to 16"),  # handles by value
         ("bench_routing_launches", ["--tokens", "1024", "8"], "--tokens must exceed 8"),  # the register kernel's
         ("bench_routing_launches", ["--batch-sizes", "0"], "--batch-sizes must be >= 1"),
         ("bench_routing_launches", ["--kernels", "gemm"], "--kernels: invalid choice"),
@@ -172,3 +173,14 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
             assert float(row["ratio_to_causal"]) == pytest.approx(float(row["ms_per_step"]) / causal, rel=1e-12)
     # 8 tokens may need more experts than a quarter of them: overlapped passes take half groups
     assert int(rows[("device", "8")]["max_passes"]) > int(rows[("device serial", "8")]["max_passes"]) > 1
+
+
+def test_switch_copies_refuse_what_they_cannot_serve():
+    """The SWITCH-node copies (`_switch_copies.py`) take 1-16 misses a layer, refused before any
+    CUDA call; without a GPU, the reason is named."""
+    switch = bench_module("_switch_copies")
+    for misses in (0, switch.MAX_SWITCHES + 1):
+        with pytest.raises(ValueError, match="misses must lie in 1..16"):
+            switch.SwitchCopies(None, (0,), (8,), [], 4, misses, chained=True)
+    if not torch.cuda.is_available():
+        assert switch.unavailable() == "no GPU"
