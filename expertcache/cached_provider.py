@@ -22,7 +22,7 @@ import torch
 from expertcache.layout import layout_from_weights
 from expertcache.manifest import Manifest, build_manifest
 from expertcache.policies import EvictionPolicy
-from expertcache.provider import ExpertWeightProvider, result_from_tensors
+from expertcache.provider import ExpertWeightProvider, PassResults, result_from_tensors
 from expertcache.result import ExpertWeightResult, Landing
 from expertcache.slot_pool import SlotPool
 from expertcache.stats import CacheStats
@@ -194,6 +194,10 @@ class CachedWeightProvider(ExpertWeightProvider):
         """
         self.pool.prefetch(self.layer, expert_ids)
 
+    def check_prefetch(self, expert_ids: torch.Tensor) -> None:
+        """Raise as `prefetch` would for ``expert_ids``, changing nothing (`SlotPool.check_prefetch`)."""
+        self.pool.check_prefetch(self.layer, expert_ids)
+
     def passes(
         self, topk_ids: torch.Tensor, *, overlap: bool = False, landing: bool = False
     ) -> Iterator[ExpertWeightResult]:
@@ -228,12 +232,14 @@ class CachedWeightProvider(ExpertWeightProvider):
         Raises:
             As ``prepare`` (never `CacheCapacityError`); bad ids raise before anything runs.
         """
-        return _results(self.pool.tensors, self.pool.passes(self.layer, topk_ids, overlap=overlap, landing=landing))
+        passes = self.pool.passes(self.layer, topk_ids, overlap=overlap, landing=landing)
+        results = _results(self.pool.tensors, passes)
+        return PassResults(self.pool.tensors, results, topk_ids=topk_ids, landing=landing)
 
 
 def _results(
     tensors: Mapping[str, torch.Tensor], passes: Generator[tuple[torch.Tensor, Landing | None]]
-) -> Iterator[ExpertWeightResult]:
+) -> Generator[ExpertWeightResult]:
     with contextlib.closing(passes):  # a caller's close() reaches the pool's passes at once
         for ids, landing in passes:
             yield result_from_tensors(tensors, ids, landing)

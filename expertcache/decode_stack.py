@@ -131,7 +131,13 @@ class DecodeStack:
 
         Returns:
             ``[T, H]`` activations after the last layer.
+
+        Raises:
+            TypeError / ValueError: bad shapes, dtypes or devices of any input, routing ids
+                outside ``[0, E)`` (read in eager steps only: a captured step cannot sync),
+                predictions a cache would refuse. Raised before any layer runs.
         """
+        self._check_step(hidden, routing)
         if prefetch is not None:
             self._check_prefetch(prefetch, routing)
         h = hidden
@@ -152,6 +158,30 @@ class DecodeStack:
             h = h + self.apply(h, results, weights)
         return h
 
+    def _check_step(self, hidden: torch.Tensor, routing: torch.Tensor) -> None:
+        """Before any layer runs: ``hidden`` ``[T, H]``, ``routing`` ``[L, T, K]`` int ids in ``[0, E)``."""
+        for name, tensor in (("hidden", hidden), ("routing", routing)):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+        if not self.providers:
+            return
+        hidden_size, num_experts = self.router[0].shape
+        if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+            raise ValueError(f"hidden must be [T, H={hidden_size}], got {tuple(hidden.shape)}")
+        if routing.dim() != 3 or routing.shape[0] != self.num_layers or routing.shape[1] != hidden.shape[0]:
+            raise ValueError(
+                f"routing must be [L={self.num_layers}, T={hidden.shape[0]}, K], got {tuple(routing.shape)}"
+            )
+        if routing.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"routing must hold int32 or int64 ids, got {routing.dtype}")
+        if routing.device != hidden.device:
+            raise ValueError(f"routing is on {routing.device}, hidden on {hidden.device}")
+        capturing = routing.is_cuda and torch.cuda.is_current_stream_capturing()
+        if routing.numel() and not capturing:  # one sync in an eager step; a graph replays checked shapes
+            low, high = int(routing.min()), int(routing.max())
+            if low < 0 or high >= num_experts:
+                raise ValueError(f"routing ids must lie in [0, {num_experts}), got {low}..{high}")
+
     def _check_prefetch(self, prefetch: torch.Tensor, routing: torch.Tensor) -> None:
         """Before any layer runs: predictions of the right shape, and caches that prefetch."""
         if not isinstance(prefetch, torch.Tensor) or prefetch.dim() != 3 or prefetch.shape[:2] != routing.shape[:2]:
@@ -163,6 +193,9 @@ class DecodeStack:
                     f"prefetch needs device-mode caches for layers 1..{self.num_layers - 1}; layer {index} is "
                     f"{type(provider).__name__}{' in host mode' if getattr(provider, 'mode', None) == 'host' else ''}"
                 )
+            check = getattr(provider, "check_prefetch", None)
+            if check is not None:  # as its prefetch would: count, dtype, device, a pool of its own
+                check(prefetch[index])
 
 
 class GraphedDecodeStep:

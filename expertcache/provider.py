@@ -77,6 +77,52 @@ class ExpertWeightProvider(ABC):
         return (self.prepare(topk_ids) for _ in range(1))  # prepared when first asked for, as a generator
 
 
+class PassResults(Iterator[ExpertWeightResult]):
+    """The passes of one call (``provider.passes(topk_ids)``), and the weight tensors every
+    pass's result holds, known before the first pass runs.
+
+    Iterate it like any iterator of `ExpertWeightResult`; ``close()`` ends the call. An apply
+    (`expertcache.kernels.moe_apply_passes`) checks its inputs against ``preview()`` before
+    the first pass admits or copies anything.
+
+    Args:
+        tensors: ``{name: [S, *shape]}``, the tensors each result holds (slot tensors of a
+            cache; all of them, whatever the pass).
+        results: the results, one a pass.
+        topk_ids: the call's ``[T, K]`` ids (each result's ``topk_ids`` has their shape,
+            dtype and device).
+        landing: whether the call was asked for landing counters (``passes(..., landing=True)``):
+            an apply that does not wait on them refuses such a call before its first pass.
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        results: Iterator[ExpertWeightResult],
+        *,
+        topk_ids: torch.Tensor,
+        landing: bool = False,
+    ) -> None:
+        self.tensors = tensors
+        self.topk_ids = topk_ids
+        self.landing = landing
+        self._results = results
+
+    def __next__(self) -> ExpertWeightResult:
+        return next(self._results)
+
+    def close(self) -> None:
+        """End the call at once (a cache joins its copies; see `SlotPool.passes`)."""
+        close = getattr(self._results, "close", None)
+        if close is not None:
+            close()
+
+    def preview(self) -> ExpertWeightResult:
+        """A result shaped like every pass's (the tensors, the call's ids unmapped): for checks
+        of shapes, dtypes and devices only; no pass runs."""
+        return result_from_tensors(self.tensors, self.topk_ids)
+
+
 def result_from_tensors(
     tensors: Mapping[str, torch.Tensor], topk_ids: torch.Tensor, landing: Landing | None = None
 ) -> ExpertWeightResult:

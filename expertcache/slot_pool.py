@@ -334,6 +334,20 @@ class SlotPool:
                 slots are promised), or under ``torch.compile`` (a side stream).
             In every case the pool is left as it was.
         """
+        expert_ids = self.check_prefetch(layer, expert_ids)
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "prefetch enqueues on a side stream and cannot be compiled; call it outside the compiled region"
+            )
+        device_prepare.prefetch(self, layer, expert_ids)
+        self._started = True
+
+    def check_prefetch(self, layer: PoolLayer, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Raise as `prefetch` would for ``expert_ids``, changing nothing; return them as ``[1, N]``.
+
+        A caller that prefetches for several layers in one step (`DecodeStack`) checks them
+        all before the first layer runs.
+        """
         if self.layers.get(layer.name) is not layer:
             raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
         if self.mode != "device":
@@ -348,17 +362,12 @@ class SlotPool:
         check_topk_ids(expert_ids, self.device, name="expert_ids")
         if expert_ids.numel() > self.num_slots:
             raise ValueError(f"prefetch at most num_slots={self.num_slots} ids at once, got {expert_ids.numel()}")
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                "prefetch enqueues on a side stream and cannot be compiled; call it outside the compiled region"
-            )
         if self.passes_owed:
             raise RuntimeError(
                 "an overlapped call of this pool has yet to yield a pass whose slots a prefetch could "
                 "overwrite: take its passes (or close its generator) first"
             )
-        device_prepare.prefetch(self, layer, expert_ids.reshape(1, -1).contiguous())
-        self._started = True
+        return expert_ids.reshape(1, -1).contiguous()
 
     def prefetch_stats(self, layer: PoolLayer) -> CacheStats:
         """Counts of ``layer``'s prefetches: ``hits`` already resident, ``misses`` copied."""

@@ -1,4 +1,5 @@
-"""`TimedProvider`: a provider wrapper that records the host wall time of every ``prepare``.
+"""`TimedProvider`: a provider wrapper that records the host wall time of every ``prepare``
+(and of every pass of ``passes``, which it forwards to the wrapped provider).
 
 Part of the Prometheus metrics (`expertcache.metrics`): the counters are the provider's own
 `CacheStats`, but nothing in a provider times its calls, so a provider wrapped in this one
@@ -11,10 +12,11 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections.abc import Generator, Iterator
 
 import torch
 
-from expertcache.provider import ExpertWeightProvider
+from expertcache.provider import ExpertWeightProvider, PassResults
 from expertcache.result import ExpertWeightResult
 from expertcache.stats import CacheStats
 
@@ -49,10 +51,39 @@ class TimedProvider(ExpertWeightProvider):
     def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
         start = time.perf_counter()
         result = self.provider.prepare(topk_ids)
-        elapsed = time.perf_counter() - start
+        self._observe(time.perf_counter() - start)
+        return result
+
+    def passes(
+        self, topk_ids: torch.Tensor, *, overlap: bool = False, landing: bool = False
+    ) -> Iterator[ExpertWeightResult]:
+        """The wrapped provider's ``passes`` (its passes, overlap and landing as it serves
+        them), each pass's host time recorded like a ``prepare``."""
+        inner = self.provider.passes(topk_ids, overlap=overlap, landing=landing)  # checks ids and flags now
+        timed = self._timed(inner)
+        tensors = getattr(inner, "tensors", None)
+        if tensors is None:
+            return timed
+        return PassResults(tensors, timed, topk_ids=inner.topk_ids, landing=inner.landing)  # type: ignore[attr-defined]
+
+    def _timed(self, inner: Iterator[ExpertWeightResult]) -> Generator[ExpertWeightResult]:
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    result = next(inner)
+                except StopIteration:
+                    return
+                self._observe(time.perf_counter() - start)
+                yield result
+        finally:  # closed early: the wrapped call ends at once too
+            close = getattr(inner, "close", None)
+            if close is not None:
+                close()
+
+    def _observe(self, elapsed: float) -> None:
         self._counts[bisect.bisect_left(self.buckets, elapsed)] += 1
         self._sum += elapsed
-        return result
 
     def prepare_seconds(self) -> tuple[list[tuple[str, int]], float]:
         """Cumulative ``(upper bound, count)`` buckets (last ``"+Inf"``) and the sum."""

@@ -24,6 +24,22 @@ def check_scales(w1, w2, w1_scale, w2_scale, block: int) -> None:
             raise ValueError(f"{name} must be floating point on {weights.device} with a contiguous last dimension")
 
 
+def check_call_inputs(hidden, topk_weights) -> None:
+    """What a call over passes can check before its first pass: ``hidden`` ``[T, H]`` and
+    ``topk_weights`` ``[T, K]``, floating point, on one device."""
+    for name, tensor in (("hidden", hidden), ("topk_weights", topk_weights)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    if hidden.dim() != 2 or topk_weights.dim() != 2 or topk_weights.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"hidden must be [T, H] and topk_weights [T, K], got {tuple(hidden.shape)} and {tuple(topk_weights.shape)}"
+        )
+    if not hidden.is_floating_point() or not topk_weights.is_floating_point():
+        raise TypeError(f"hidden and topk_weights must be floating point, got {hidden.dtype}, {topk_weights.dtype}")
+    if topk_weights.device != hidden.device:
+        raise ValueError(f"topk_weights is on {topk_weights.device}, hidden on {hidden.device}")
+
+
 def check_apply_inputs(hidden, w1, w2, topk_weights, topk_ids) -> None:
     for name, tensor in (
         ("hidden", hidden),

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from expertcache.kernels._launch import on_device
-from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
+from expertcache.kernels.apply_checks import check_apply_inputs, check_call_inputs, check_scales
 from expertcache.kernels.expert_apply import launch_pairs, launch_sum
 from expertcache.kernels.grouped_apply import _TENSOR_CORE_DTYPES, default_tiles, launch_grouped_pairs, takes_grouped
 from expertcache.kernels.landing import check_landed
@@ -63,8 +63,18 @@ def sum_over_passes(
 ) -> torch.Tensor:
     """The driver every pass-aware apply shares: ``launch_of(result)`` checks a pass and
     says how to compute it; its pairs land in one ``[T*K, H]`` fp32 buffer and the sum over
-    k runs once after the last pass. Returns ``[T, H]`` (fp32 with ``fp32_out``)."""
+    k runs once after the last pass. Returns ``[T, H]`` (fp32 with ``fp32_out``).
+
+    Inputs are checked before the first pass is asked for (it may admit and copy): ``hidden``
+    and ``topk_weights`` always, and against the weights when ``results`` can show them
+    (``results.preview``, `expertcache.provider.PassResults`: a cache's passes); a plain
+    iterator's weights are checked as each pass comes.
+    """
+    check_call_inputs(hidden, topk_weights)
     tokens, top_k = topk_weights.shape
+    preview = getattr(results, "preview", None)
+    if callable(preview):  # checks only (shapes, dtypes, devices): the tensors every pass will hold
+        launch_of(preview())
     weights = topk_weights.contiguous()
     part = act = ids = None
     num_rows = 0
@@ -119,7 +129,7 @@ def moe_apply_passes(
     """
     if kernel not in ("auto", "gemv", "grouped"):
         raise ValueError(f"kernel must be 'auto', 'gemv' or 'grouped', got {kernel!r}")
-    pairs = topk_weights.shape[0] * topk_weights.shape[1]
+    pairs = topk_weights.numel() if isinstance(topk_weights, torch.Tensor) else 0  # [T, K]: checked first
     chosen: list[bool] = []  # grouped or not: decided at the first pass, kept for the call
     done: list[torch.Tensor] = []  # landed GEMV passes: gate_up tiles stored per pair (kernels/landing.py)
 

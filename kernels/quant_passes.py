@@ -30,6 +30,12 @@ KERNELS = ("auto", "gemv", "grouped")
 QUANT_GROUPED_MIN_PAIRS = {FORMAT_FP8: 128, FORMAT_MXFP4: 128, FORMAT_NONE: 16}
 
 
+_NO_LANDING = (
+    "moe_apply_quant_passes does not wait on landing counters: serve its passes without landing "
+    "(provider.passes(ids, overlap=True))"
+)
+
+
 def moe_apply_quant_passes(
     hidden: torch.Tensor,
     results: Iterable[ExpertWeightResult],
@@ -57,15 +63,14 @@ def moe_apply_quant_passes(
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    pairs = topk_weights.shape[0] * topk_weights.shape[1]
+    if getattr(results, "landing", False) is True:  # a cache's PassResults: refused before its first pass
+        raise ValueError(_NO_LANDING)
+    pairs = topk_weights.numel() if isinstance(topk_weights, torch.Tensor) else 0  # [T, K]: checked first
     chosen: list = []  # the grouped GEMM's tiles, or None for the GEMV: decided at the first pass
 
     def launch_of(result: ExpertWeightResult) -> PassLaunch:
         if result.landing is not None:
-            raise ValueError(
-                "moe_apply_quant_passes does not wait on landing counters: serve its passes without "
-                "landing (provider.passes(ids, overlap=True))"
-            )
+            raise ValueError(_NO_LANDING)
         ops = quant_operands(hidden, weights_of(result), topk_weights, result.topk_ids, scheme)
         if not chosen:
             chosen.append(_tiles_or_none(hidden, ops, pairs, kernel))
