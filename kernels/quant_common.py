@@ -147,7 +147,9 @@ def quant_operands(
         if tensors[name].device != hidden.device:
             raise ValueError(f"{name} is on {tensors[name].device}, hidden on {hidden.device}")
     hidden_size = hidden.shape[1]
-    w1 = tensors["w1"]
+    w1, w2 = tensors["w1"], tensors["w2"]
+    if w2.dim() == 3 and w2.shape[1] != hidden_size:  # w2's rows are H in every format (packing is along I)
+        raise ValueError(f"hidden has {hidden_size} columns but the experts' H is {w2.shape[1]} (w2 {list(w2.shape)})")
     num_rows = w1.shape[0]
     if scheme.format == "mxfp4":
         inter_size = w1.shape[1] // 2

@@ -170,3 +170,19 @@ def test_a_timed_provider_serves_passes_as_its_cache_does(mode, device):
     assert timed.stats == wrapped.stats
     full = {name: tensor.to(device) for name, tensor in weights.items()}
     assert torch.allclose(expected, moe_forward(hidden, full["w1"], full["w2"], router, ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_quantised_apply_names_hidden_when_its_width_is_wrong(device):
+    """The message blames ``hidden``'s width, not ``w1``'s dtype; refused before the first pass."""
+    from expertcache.kernels.quant_passes import moe_apply_quant_passes
+    from expertcache.quant import QuantScheme
+
+    weights, provider = cache("device", device)
+    before = snapshot(provider)
+    with pytest.raises(ValueError, match=f"hidden has {2 * HIDDEN} columns but the experts' H is {HIDDEN}"):
+        moe_apply_quant_passes(torch.randn(2, 2 * HIDDEN, device=device),
+                               provider.passes(torch.tensor([[4, 5], [6, 7]], device=device)),
+                               torch.rand(2, 2, device=device), scheme=QuantScheme("none"))  # fmt: skip
+    assert_unchanged(provider, before)
+    assert_serves_reference(provider, weights, device)
