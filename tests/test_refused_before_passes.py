@@ -50,8 +50,13 @@ def assert_serves_reference(provider, weights, device) -> None:
     )
 
 
-def modes():
-    return [("host", "cpu"), *[("device", device) for device in devices()]]
+def modes() -> list:
+    """(mode, device) pairs: both modes on each of `devices()`, keeping its gpu mark."""
+    pairs = []
+    for device in devices():
+        value, marks = (device.values[0], device.marks) if hasattr(device, "values") else (device, ())
+        pairs += [pytest.param(mode, value, marks=marks) for mode in ("host", "device")]
+    return pairs
 
 
 @pytest.mark.parametrize("mode, device", modes())
