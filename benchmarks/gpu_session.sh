@@ -56,7 +56,7 @@ for step in $steps; do
         echo "--- failed tests again, serially"
         timeout 300 python3 -m pytest -q --lf -o cache_dir=/tmp/pytest-cache -rfE 2>&1 | tee "$OUT/suite_rerun.log" | tail -30
       fi ;;
-    sm-reads) timeout 240 python3 benchmarks/bench_sm_reads.py 2>&1 | tee "$OUT/bench_sm_reads.log" ;;
+    sm-reads) timeout 240 python3 benchmarks/bench_sm_reads.py ${SM_READS_ARGS:-} 2>&1 | tee "$OUT/bench_sm_reads.log" ;;
     apply) timeout 240 python3 benchmarks/bench_apply.py 2>&1 | tee "$OUT/bench_apply.log" ;;
     gemv-tiles) timeout 240 python3 benchmarks/bench_gemv_tiles.py ${GEMV_TILES_ARGS:-} 2>&1 | tee "$OUT/bench_gemv_tiles.log" ;;
     quant-gemv) timeout ${QUANT_GEMV_TIMEOUT:-420} python3 benchmarks/bench_quant_gemv.py ${QUANT_GEMV_ARGS:-} 2>&1 \
