@@ -13,7 +13,6 @@ and each ``passes`` into one such result per expert-group pass (`expertcache.pas
 from __future__ import annotations
 
 import contextlib
-import numbers
 from collections.abc import Generator, Hashable, Iterator, Mapping
 
 import numpy as np
@@ -27,7 +26,7 @@ from expertcache.result import ExpertWeightResult, Landing
 from expertcache.slot_pool import SlotPool
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore, check_compression
-from expertcache.validation import check_expert_map, resolve_device
+from expertcache.validation import check_expert_map, check_int, check_pin_budget_bytes, resolve_device
 
 
 class CachedWeightProvider(ExpertWeightProvider):
@@ -40,13 +39,15 @@ class CachedWeightProvider(ExpertWeightProvider):
             (biases, MXFP4 scales, ...), which comes back in ``ExpertWeightResult.extra``.
             They are copied into the backing store; the caller may free them afterwards.
             A `CPUBackingStore` may be passed instead, to share one store between providers.
-        cache_size: number of GPU slots, ``1 <= cache_size <= E``. Omit when ``pool`` is given.
+        cache_size: number of GPU slots, an integer (numpy's too) ``1 <= cache_size <= E``.
+            Omit when ``pool`` is given.
         device: the GPU (default: the current CUDA device, else the CPU).
         policy: eviction policy name (``"lru"``, the default) or a fresh instance (host mode).
         expert_map: optional ``[E_global]`` int32, global id -> local index or -1 (expert
             parallelism); ``weights`` then hold only the local experts, and other ranks'
             ids come out as -1 and are never loaded.
-        pin_budget_bytes: refuse, before pinning anything, when the store would exceed it.
+        pin_budget_bytes: None (no limit) or bytes ``>= 0``: refuse, before pinning anything,
+            when the store would exceed it.
         pool: a `SlotPool` shared with other layers (a global budget) instead of a private
             pool of ``cache_size`` slots; ``device``, ``policy`` and ``mode`` are the pool's
             then (giving them raises). Each layer keeps its share, ``num_slots // layers``,
@@ -82,6 +83,7 @@ class CachedWeightProvider(ExpertWeightProvider):
         else:
             num_local, layout = layout_from_weights(weights)
             check_compression(compression, layout)
+            check_pin_budget_bytes(pin_budget_bytes)  # before a pool is built
         if pool is not None:
             _check_shared_pool(pool, cache_size=cache_size, device=device, policy=policy, mode=mode)
             pool.layout.check_compatible(layout, what="weights")
@@ -260,9 +262,7 @@ def _check_shared_pool(pool: object, **settings: object) -> None:
 def _check_cache_size(cache_size: object, num_experts: int) -> None:
     if cache_size is None:
         raise ValueError("cache_size (the number of GPU slots) is required")
-    if not isinstance(cache_size, numbers.Integral) or isinstance(cache_size, bool):
-        raise TypeError(f"cache_size must be an int, got {type(cache_size).__name__}")
-    if not 1 <= int(cache_size) <= num_experts:
+    if not 1 <= check_int("cache_size", cache_size) <= num_experts:
         raise ValueError(
             f"cache_size must be between 1 and the number of local experts ({num_experts}), got {cache_size}"
         )

@@ -19,9 +19,10 @@ One dataclass carries what the ``--moe-*`` flags say (see `expertcache.cli.add_c
                       ~0.68 of the bytes for bf16; PCIe carries the coded bytes, the slots
                       receive the exact weights); "none" is stored as None
 
-Checks that need the model (cache_size against the number of experts; that the experts are
-bf16 or fp16 when compression is "exponent") happen when the cache is enabled; everything
-that can be checked without it is checked here. Whether this machine can run a mode
+Checks that need the model (cache_size against the router's top-k and the number of
+experts, `cache_size_range`; that the experts are bf16 or fp16 when compression is
+"exponent") happen when the cache is enabled; everything that can be checked without it is
+checked here. Whether this machine can run a mode
 (`check_mode_runs_here`) is a separate check, made by the command line before any model
 is loaded.
 """
@@ -36,6 +37,7 @@ import torch
 
 from expertcache.compression import COMPRESSIONS
 from expertcache.policies import POLICIES
+from expertcache.validation import check_int, check_pin_budget_bytes
 
 #: Values of ``compression`` (and ``--moe-expert-cache-compression``); "none" means None.
 COMPRESSION_CHOICES = ("none", *COMPRESSIONS)
@@ -93,17 +95,13 @@ class ExpertCacheConfig:
     compression: str | None = None
 
     def __post_init__(self) -> None:
-        _check_count("cache_size", self.cache_size, "slots per MoE layer")
+        object.__setattr__(self, "cache_size", _check_count("cache_size", self.cache_size, "slots per MoE layer"))
         object.__setattr__(self, "policy", _runtime_policy(self.policy))
         _check_choice("mode", self.mode, MODES)
         if self.mode == "device" and self.policy != "lru":
             raise ValueError(f"mode 'device' implements only the lru policy, got {self.policy!r}")
         _check_choice("budget", self.budget, BUDGETS)
-        pin = self.pin_budget_bytes
-        if pin is not None and (not isinstance(pin, int) or isinstance(pin, bool)):
-            raise TypeError(f"pin_budget_bytes must be an int (bytes) or None, got {type(pin).__name__}")
-        if pin is not None and pin < 0:
-            raise ValueError(f"pin_budget_bytes must be a non-negative int or None, got {pin!r}")
+        object.__setattr__(self, "pin_budget_bytes", check_pin_budget_bytes(self.pin_budget_bytes))
         if self.device is not None:
             object.__setattr__(self, "device", _device_name(self.device))
         if self.compression is not None:
@@ -111,11 +109,21 @@ class ExpertCacheConfig:
             object.__setattr__(self, "compression", None if self.compression == "none" else self.compression)
 
 
-def _check_count(name: str, value: object, what: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 1 <= value <= MAX_CACHE_SIZE:
-        raise ValueError(f"{name} ({what}) must be between 1 and {MAX_CACHE_SIZE}, got {value}")
+def cache_size_range(top_k: int, num_experts: int) -> range:
+    """The cache sizes (slots per MoE layer) a model that routes each token to ``top_k`` of
+    ``num_experts`` experts per layer accepts: ``top_k`` (one token's experts) to ``num_experts``.
+
+    The one rule behind `expertcache.integrations.transformers.check_cache_size` and the sizes
+    `expertcache.planner.plan` scores and recommends.
+    """
+    return range(top_k, num_experts + 1)
+
+
+def _check_count(name: str, value: object, what: str) -> int:
+    number = check_int(name, value)
+    if not 1 <= number <= MAX_CACHE_SIZE:
+        raise ValueError(f"{name} ({what}) must be between 1 and {MAX_CACHE_SIZE}, got {number}")
+    return number
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

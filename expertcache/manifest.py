@@ -15,6 +15,14 @@ With a compressed store (``compression="exponent"``) ``host_bytes`` is the coded
 size and ``compressed_expert_bytes`` what one miss reads over PCIe; ``expert_bytes`` stays
 what lands in a slot. Both fields are optional when read (older manifests: raw).
 
+`Manifest.read` checks what a plan is computed from: ``experts``, ``layers``,
+``expert_bytes`` and ``compressed_expert_bytes`` are JSON integers of at least 1 (not
+``12.0``, ``true`` or ``"12"``: `Manifest.write` writes integers, so anything else was
+written by hand or damaged); ``expert_bytes`` at most `MAX_EXPERT_BYTES`;
+``compressed_expert_bytes`` at most ``expert_bytes`` (a coded tensor is stored only where it
+is smaller) and equal to it when ``compression`` is null; ``compression`` null or a name of
+`expertcache.compression.COMPRESSIONS` (comma-separated when the layers' stores differ).
+
 ``expertcache plan --manifest FILE`` reads ``expert_bytes`` (the bytes one miss copies and
 one slot holds) from it.
 """
@@ -27,10 +35,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from expertcache.compression import COMPRESSIONS
+
 if TYPE_CHECKING:
     from expertcache.cached_provider import CachedWeightProvider
 
 MANIFEST_VERSION = 2
+
+#: The most bytes one expert can have (1 TiB): the experts of today's largest MoE models are
+#: below a few GB, so a larger figure is a mistake (a unit, a damaged file), not a model.
+MAX_EXPERT_BYTES = 2**40
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +112,8 @@ class Manifest:
 
         Raises:
             ValueError: a missing file, not UTF-8 JSON, not a version-2 manifest, or a field
-                of the wrong type (the message names the file and the field).
+                of the wrong type or out of range (see the module docstring; the message
+                names the file and the field).
         """
         path = Path(path)
         if not path.is_file():
@@ -119,11 +134,37 @@ class Manifest:
             manifest = cls(tensors=tensors, **data)
         except (KeyError, TypeError) as error:
             raise ValueError(f"{path}: not an expertcache manifest ({type(error).__name__}: {error})") from None
-        for name in ("expert_bytes", "experts", "layers"):
-            value = getattr(manifest, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{path}: {name!r} must be a positive integer, got {value!r:.40}")
+        _check_sizes(path, manifest)
         return manifest
+
+
+def _check_sizes(path: Path, manifest: Manifest) -> None:
+    """What `Manifest.read` checks of the fields a plan uses (see the module docstring)."""
+    for name in ("experts", "layers"):
+        _check_count(path, name, getattr(manifest, name))
+    _check_count(path, "expert_bytes", manifest.expert_bytes, MAX_EXPERT_BYTES, "MAX_EXPERT_BYTES")
+    compression = manifest.compression
+    if compression is not None and (
+        not isinstance(compression, str) or any(name not in COMPRESSIONS for name in compression.split(","))
+    ):
+        choices = ", ".join(COMPRESSIONS)
+        raise ValueError(f"{path}: 'compression' must be null or one of {choices}, got {compression!r:.40}")
+    coded = manifest.compressed_expert_bytes
+    if coded is None:
+        return
+    _check_count(path, "compressed_expert_bytes", coded, manifest.expert_bytes, "the 'expert_bytes'")
+    if compression is None and coded != manifest.expert_bytes:
+        raise ValueError(
+            f"{path}: 'compressed_expert_bytes' ({coded}) must equal 'expert_bytes' ({manifest.expert_bytes}) "
+            "when 'compression' is null (a raw store)"
+        )
+
+
+def _check_count(path: Path, name: str, value: object, maximum: int | None = None, what: str = "") -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{path}: {name!r} must be a positive integer, got {value!r:.40}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{path}: {name!r} must be at most {what} ({maximum:,}), got {value:,}")
 
 
 def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+from expertcache.commands.files import check_output_path, write_whole
 from expertcache.planner import Plan
 
 _BOUNDS = {"belady": {"color": "black", "linestyle": "--", "linewidth": 2.0}}
@@ -16,10 +18,16 @@ def plot_plan(plan: Plan, path: str | Path, *, title: str = "") -> Path:
         The path written.
 
     Raises:
-        ValueError: ``path`` does not end in ``.png``, is a directory, or is in a folder
-            that does not exist (checked before anything is drawn).
+        ValueError: ``path`` cannot take a PNG (`check_png_path`; checked before anything
+            is drawn). OSError: the write failed (naming ``path``).
     """
     path = check_png_path(path)
+    write_whole(path, render_plan(plan, title=title))
+    return path
+
+
+def render_plan(plan: Plan, *, title: str = "") -> bytes:
+    """The PNG of `plot_plan`, in memory."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -45,22 +53,16 @@ def plot_plan(plan: Plan, path: str | Path, *, title: str = "") -> Path:
     if title:
         figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=120, format="png")
+    image = io.BytesIO()
+    figure.savefig(image, dpi=120, format="png")
     plt.close(figure)
-    return path
+    return image.getvalue()
 
 
 def check_png_path(path: str | Path) -> Path:
     """``path`` as a `Path` that a PNG can be written to.
 
     Raises:
-        ValueError: not ``*.png``, a directory, or its folder does not exist.
+        ValueError: not ``*.png``, or not writable (`expertcache.commands.files.check_output_path`).
     """
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"{path}: the plot is a PNG; give a file name ending in .png")
-    if path.is_dir():
-        raise ValueError(f"{path}: is a directory; give a file name ending in .png")
-    if not path.parent.is_dir():
-        raise ValueError(f"{path}: the folder {path.parent} does not exist")
-    return path
+    return check_output_path(path, ".png")

@@ -9,7 +9,9 @@ bytes, PCIe carries the coded ones) host -> GPU, so a copy bandwidth turns bytes
 into a ceiling on tokens per second (copies alone, compute free).
 
 Per-token figures are over the layers the trace records, scaled to ``model_layers`` when
-the model has more (the traced layers are then assumed representative).
+the model has more (the traced layers are then assumed representative). Only cache sizes a
+runtime cache accepts are scored (`expertcache.config.cache_size_range`: from the trace's
+top-k to its experts per layer), so the recommendation is always one ``generate`` takes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from expertcache.config import cache_size_range
+from expertcache.manifest import MAX_EXPERT_BYTES
 from expertcache.sim import ReplayResult, TraceCalls, replay_streams, trace_calls, unbounded
 from expertcache.sim.replay import check_overlap_limit
 from expertcache.trace import RoutingTrace
@@ -66,12 +70,15 @@ class Plan:
     Attributes:
         rows: every (scope, slots, policy) scored, bounds included.
         budget_slots: slots the GPU budget buys in all (``budget // expert_bytes``).
-        layer_cache_size: per-layer slots at the budget (``--moe-expert-cache-size``).
+        layer_cache_size: per-layer slots at the budget (``--moe-expert-cache-size``); below
+            ``min_cache_size`` the budget buys no cache the runtime takes (nothing scored there).
         layer_policy: best runtime policy for per-layer pools at the budget.
         global_slots: global-pool slots at the budget for the traced layers
             (``layer_cache_size * L``: the same bytes as the per-layer pools).
         global_policy: best runtime policy for one global pool at the budget.
         budget_fraction: ``layer_cache_size / E``: the share of experts the budget holds.
+        min_cache_size: the smallest ``--moe-expert-cache-size`` the runtime takes (the
+            trace's top-k; `expertcache.config.cache_size_range`).
     """
 
     rows: tuple[PlanRow, ...]
@@ -81,6 +88,7 @@ class Plan:
     global_slots: int
     global_policy: str
     budget_fraction: float
+    min_cache_size: int
 
     def row(self, scope: str, slots: int, policy: str) -> PlanRow:
         """The row of ``policy`` at ``slots`` in ``scope``."""
@@ -90,11 +98,11 @@ class Plan:
         raise KeyError((scope, slots, policy))
 
 
-def layer_sizes(num_experts: int, fractions: Sequence[float], extra: Sequence[int]) -> list[int]:
-    """Distinct per-layer cache sizes: ``fractions`` of ``num_experts`` plus ``extra``."""
-    sizes = {max(1, round(fraction * num_experts)) for fraction in fractions}
-    sizes.update(min(max(1, size), num_experts) for size in extra)
-    return sorted(sizes)
+def layer_sizes(num_experts: int, fractions: Sequence[float], extra: Sequence[int], *, smallest: int = 1) -> list[int]:
+    """Distinct per-layer cache sizes: ``fractions`` of ``num_experts`` plus ``extra``, each
+    in ``[smallest, num_experts]``."""
+    wanted = [round(fraction * num_experts) for fraction in fractions] + list(extra)
+    return sorted({min(max(smallest, size), num_experts) for size in wanted})
 
 
 def best_policy(rows: Sequence[PlanRow], *, min_gain: float = 0.005) -> str:
@@ -153,8 +161,9 @@ def plan(
         TypeError / ValueError: any argument of the wrong type or out of range (an empty
             trace, an unknown or repeated policy, a fraction outside (0, 1], fewer model
             layers than the trace records, a bandwidth that is not a positive number, an
-            unknown ``oversize``, an ``overlap_max_ids`` without ``"overlapped"`` or not a
-            positive int).
+            ``expert_bytes`` above `expertcache.manifest.MAX_EXPERT_BYTES`, ``copy_bytes``
+            above ``expert_bytes``, an unknown ``oversize``, an ``overlap_max_ids`` without
+            ``"overlapped"`` or not a positive int).
     """
     if oversize not in ("passes", "overlapped"):
         raise ValueError(f"oversize must be 'passes' or 'overlapped', got {oversize!r}")
@@ -163,14 +172,18 @@ def plan(
     _check_arguments(trace, expert_bytes, gpu_budget_bytes, bandwidth_bytes_per_second, model_layers)
     if copy_bytes is not None:
         _check_int("copy_bytes", copy_bytes, minimum=1)
+        if copy_bytes > expert_bytes:
+            raise ValueError(f"copy_bytes ({copy_bytes}) must be at most expert_bytes ({expert_bytes}): "
+                             "a coded record is never larger than the raw one")  # fmt: skip
     fractions = _check_fractions(fractions)
     if not (isinstance(min_gain, (int, float)) and math.isfinite(min_gain) and min_gain >= 0):
         raise ValueError(f"min_gain must be a non-negative number, got {min_gain!r}")
     layers = model_layers or trace.num_layers
     experts = trace.num_experts
+    allowed = cache_size_range(trace.top_k, experts)
     budget_slots = gpu_budget_bytes // expert_bytes
     layer_budget = min(experts, budget_slots // layers)
-    sizes = layer_sizes(experts, fractions, [layer_budget] if layer_budget >= 1 else [])
+    sizes = layer_sizes(experts, fractions, [layer_budget] if layer_budget in allowed else [], smallest=allowed.start)
     per_miss = expert_bytes if copy_bytes is None else copy_bytes
     cost = _Cost(trace.num_tokens, layers / trace.num_layers, per_miss, bandwidth_bytes_per_second)
     names = (*policies, "belady")
@@ -192,6 +205,7 @@ def plan(
         global_slots=layer_budget * trace.num_layers,
         global_policy=_best_at(rows, "global", layer_budget * trace.num_layers, min_gain),
         budget_fraction=layer_budget / experts,
+        min_cache_size=allowed.start,
     )
 
 
@@ -228,6 +242,10 @@ def _check_arguments(
         source = f" ({trace.source})" if trace.source else ""
         raise ValueError(f"the trace{source} has no routing records ({trace.num_tokens} tokens): nothing to plan on")
     _check_int("expert_bytes", expert_bytes, minimum=1)
+    if expert_bytes > MAX_EXPERT_BYTES:
+        raise ValueError(f"expert_bytes must be at most {MAX_EXPERT_BYTES:,} (MAX_EXPERT_BYTES), got {expert_bytes:,}")
+    if trace.top_k > trace.num_experts:
+        raise ValueError(f"the trace routes each token to {trace.top_k} of {trace.num_experts} experts: no cache fits")
     _check_int("gpu_budget_bytes", budget, minimum=0)
     if model_layers is not None:
         _check_int("model_layers", model_layers, minimum=trace.num_layers, why=f"the trace records {trace.num_layers}")

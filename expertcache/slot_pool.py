@@ -42,7 +42,15 @@ from expertcache.policies import EvictionPolicy, claim_policy, make_policy
 from expertcache.result import Landing
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
-from expertcache.validation import check_flag, check_mode_device, check_overlap, check_topk_ids, resolve_device
+from expertcache.validation import (
+    check_flag,
+    check_int,
+    check_mode_device,
+    check_overlap,
+    check_topk_ids,
+    is_dense,
+    resolve_device,
+)
 
 MODES = ("host", "device")
 
@@ -78,8 +86,9 @@ class SlotPool:
     """Slot tensors on one device, filled by host-mode or device-mode admission.
 
     Args:
-        layout: the registered tensors (every attached layer must match).
-        num_slots: ``S``, at least 1.
+        layout: the registered tensors (every attached layer must match): an `ExpertLayout`
+            (`for_weights` derives it from a ``{name: [E, ...]}`` dict of weights).
+        num_slots: ``S``, an integer (numpy's too, never a bool) of at least 1.
         device: where the slots live (default: the current CUDA device, else the CPU).
         policy: eviction policy name or a fresh instance (host mode); device mode is LRU.
         mode: ``"host"`` (default) or ``"device"``.
@@ -105,8 +114,13 @@ class SlotPool:
         mode: str = "host",
         mover: str | None = None,
     ) -> None:
-        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
-            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        if not isinstance(layout, ExpertLayout):
+            given = f"the class {layout.__name__}" if isinstance(layout, type) else type(layout).__name__
+            raise TypeError(
+                f"layout must be an ExpertLayout, got {given}; for a pool of experts shaped like a "
+                "{name: [E, ...]} dict of weights use SlotPool.for_weights(weights, num_slots)"
+            )
+        num_slots = check_int("num_slots", num_slots, minimum=1)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mover not in (None, *MOVERS):
@@ -173,6 +187,10 @@ class SlotPool:
             store: the layer's experts (the pool's layout).
             global_to_local: ``[E_global]`` int32 CPU map, global id -> local expert or -1.
         """
+        if not isinstance(store, CPUBackingStore):
+            raise TypeError(f"store must be a CPUBackingStore, got {type(store).__name__}")
+        if not isinstance(global_to_local, torch.Tensor):
+            raise TypeError(f"global_to_local must be a tensor, got {type(global_to_local).__name__}")
         if self._started:
             raise RuntimeError("attach every layer to a slot pool before its first prepare()")
         if name in self.layers:
@@ -357,7 +375,7 @@ class SlotPool:
                 f"prefetch needs a pool of one layer; this one serves {len(self.layers)}, and a prefetch "
                 "could overwrite slots another layer's kernels are still reading"
             )
-        if isinstance(expert_ids, torch.Tensor) and expert_ids.dim() == 1:
+        if isinstance(expert_ids, torch.Tensor) and is_dense(expert_ids) and expert_ids.dim() == 1:
             expert_ids = expert_ids.reshape(1, -1)
         check_topk_ids(expert_ids, self.device, name="expert_ids")
         if expert_ids.numel() > self.num_slots:

@@ -29,6 +29,7 @@ from expertcache.compression import COMPRESSIONS, FLOAT16_FIELDS, ExponentCode, 
 from expertcache.compression import decode_records_torch as decode_records
 from expertcache.errors import PinBudgetError
 from expertcache.layout import ExpertLayout
+from expertcache.validation import check_pin_budget_bytes
 
 #: Stores coding more bytes than this show progress bars while they are encoded.
 _PROGRESS_BYTES = 1 << 28
@@ -73,8 +74,9 @@ class CPUBackingStore:
         layout: the registered tensors.
         weights: ``{name: [E, *shape]}`` on any device; copied in once.
         pin: register the buffer as pinned (page-locked, mapped) memory; needs CUDA.
-        pin_budget_bytes: refuse, before allocating anything, when the buffer would exceed
-            it (checked on CPU-only machines too, where the store is plain memory).
+        pin_budget_bytes: None (no limit) or bytes ``>= 0`` (any integer, numpy's too):
+            refuse, before allocating anything, when the buffer would exceed it (checked on
+            CPU-only machines too, where the store is plain memory).
         compression: ``None`` (raw bytes) or ``"exponent"`` (lossless exponent coding of the
             bf16/fp16 names; ``w1`` and ``w2`` must be bf16 or fp16).
         encode_device: where the coding passes run (`encoding_device`; default: the
@@ -105,6 +107,11 @@ class CPUBackingStore:
         encode_device: torch.device | str | None = None,
         progress: bool | None = None,
     ) -> None:
+        if not isinstance(layout, ExpertLayout):
+            raise TypeError(f"layout must be an ExpertLayout (layout_from_weights), got {type(layout).__name__}")
+        if not isinstance(weights, Mapping):
+            raise TypeError(f"weights must map names to [E, ...] tensors, got {type(weights).__name__}")
+        pin_budget_bytes = check_pin_budget_bytes(pin_budget_bytes)  # before any coding pass runs
         check_compression(compression, layout)
         num_experts = int(weights["w1"].shape[0])
         coder = _Coder(layout, weights, encode_device, progress) if compression else None
@@ -112,9 +119,6 @@ class CPUBackingStore:
         self.formats: dict[str, RecordFormat] = {name: analysis.format for name, analysis in analyses.items()}
         sizes = tuple(self.formats[s.name].record_bytes if s.name in self.formats else s.nbytes for s in layout.specs)
         nbytes = layout.buffer_bytes(num_experts, sizes)
-        budget_type = type(pin_budget_bytes)
-        if pin_budget_bytes is not None and (budget_type is bool or not isinstance(pin_budget_bytes, int)):
-            raise TypeError(f"pin_budget_bytes must be an int (bytes) or None, got {budget_type.__name__}")
         if pin_budget_bytes is not None and nbytes > pin_budget_bytes:
             raise PinBudgetError(nbytes, pin_budget_bytes)
         if pin and not torch.cuda.is_available():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
+
 import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -65,11 +68,50 @@ def check_overlap(overlap: object) -> bool:
     return check_flag("overlap", overlap)
 
 
+def check_int(name: str, value: object, *, minimum: int | None = None, expected: str = "an int") -> int:
+    """``value`` as a Python int: any integer (``int``, ``np.int64``, any `numbers.Integral`),
+    never a bool (``True`` is not a count) and never a float, even a whole one.
+
+    Raises:
+        TypeError: ``value`` is not an integer (the message says ``name`` must be ``expected``).
+        ValueError: ``value`` is below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r:.40}")
+    number = operator.index(value)
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def check_pin_budget_bytes(budget: object) -> int | None:
+    """``pin_budget_bytes``: None (no limit) or an int >= 0 (0 refuses every store), as an int.
+
+    Raises:
+        TypeError: not an integer or None. ValueError: negative.
+    """
+    if budget is None:
+        return None
+    number = check_int("pin_budget_bytes", budget, expected="an int (bytes) or None")
+    if number < 0:
+        raise ValueError(f"pin_budget_bytes must be >= 0 (bytes; None for no limit), got {number}")
+    return number
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """A plain strided tensor: not sparse (COO, CSR, ...), not nested. Index checks, kernels
+    and ``.numpy()`` read only these."""
+    return tensor.layout == torch.strided and not tensor.is_nested
+
+
 def check_topk_ids(topk_ids: object, device: torch.device, *, name: str = "topk_ids") -> torch.Tensor:
-    """Check ``topk_ids`` is an int32/int64 ``[T, K]`` tensor on ``device`` (metadata only);
+    """Check ``topk_ids`` is a dense int32/int64 ``[T, K]`` tensor on ``device`` (metadata only);
     errors call it ``name``."""
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(topk_ids).__name__}")
+    if not is_dense(topk_ids):
+        kind = "nested" if topk_ids.is_nested else str(topk_ids.layout).removeprefix("torch.")
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} tensor")
     if topk_ids.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64 expert ids, got {topk_ids.dtype}")
     if topk_ids.dim() != 2:
@@ -89,6 +131,8 @@ def check_expert_map(expert_map: object, num_local_experts: int) -> torch.Tensor
     """
     if not isinstance(expert_map, torch.Tensor):
         raise TypeError(f"expert_map must be a tensor, got {type(expert_map).__name__}")
+    if not is_dense(expert_map):
+        raise TypeError(f"expert_map must be a dense (strided) tensor, got layout {expert_map.layout}")
     if expert_map.dtype not in INDEX_DTYPES:
         raise TypeError(f"expert_map must be int32 or int64, got {expert_map.dtype}")
     if expert_map.dim() != 1:

@@ -39,7 +39,7 @@ from expertcache.trace import RoutingRecorder, RoutingTrace
         ({"mode": "gpu"}, ValueError, "mode must be one of host, device"),
         ({"mode": "device", "policy": "lfu"}, ValueError, "only the lru policy"),
         ({"budget": ["global"]}, ValueError, "budget must be one of"),
-        ({"pin_budget_bytes": -1}, ValueError, "non-negative"),
+        ({"pin_budget_bytes": -1}, ValueError, "pin_budget_bytes must be >= 0"),
         ({"pin_budget_bytes": 1.5e9}, TypeError, "pin_budget_bytes must be an int"),
         ({"device": "tpu"}, ValueError, "not a device: 'tpu'"),
         ({"device": "meta"}, ValueError, "unsupported device 'meta'"),

@@ -46,6 +46,8 @@ SUBPROCESS_CASES = [
     (_PLAN.replace("1", "nan"), "--gpu-budget: must be a positive finite number"),
     (f"{_PLAN} --policies ''", "no policy to score"),
     ("plan --trace {trace} --manifest {bad_manifest} --gpu-budget 1", "not JSON"),
+    (f"{_PLAN} --csv {{trace}}", "--csv .*trace.npz is the same file as --trace .*trace.npz"),
+    ("plan --trace '' --expert-bytes 5 --gpu-budget 1", "argument --trace: must name a file or folder"),
 ]
 
 if not torch.cuda.is_available():  # with a GPU, device mode runs (on it)

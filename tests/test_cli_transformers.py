@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from test_cli_errors import _check_one_line
 from transformers_helpers import TINY, tiny_model
 
 from expertcache.cli import add_cache_arguments, cache_config_from_args, main
@@ -94,8 +95,9 @@ def test_generate_on_a_saved_checkpoint(checkpoint, capsys, tmp_path):
          "--prompt", "5 6 7 8", "--max-new-tokens", "8", "--device", "cpu", "--compare",
          "--save-trace", str(trace_file)]
     )  # fmt: skip
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert status == 0
+    assert "tok/s]" not in err  # the progress bar shows on a terminal only, not in a log
     assert "2 MoE layers x 8 experts, top-2" in out
     assert "8 new tokens" in out and "hit rate" in out
     assert "without the cache: identical tokens" in out
@@ -117,20 +119,34 @@ def test_generate_with_the_kernels_is_identical_in_passes(checkpoint, capsys):
     assert status == 0 and "without the cache: identical tokens" in out
 
 
-def test_generate_refuses_an_unknown_experts_implementation(checkpoint, capsys):
-    status = main(["generate", "--model", str(checkpoint), "--moe-expert-cache-size", "4", "--device", "cpu",
-                   "--experts-implementation", "fastest"])  # fmt: skip
-    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar
-    assert status == 2
-    assert err.startswith("expertcache generate: error: --experts-implementation fastest")
-    assert "batched_mm" in err  # transformers' list of the names it accepts
-
-
 def _generate_error(argv, capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", *argv])
     assert exit_info.value.code == 2
     return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--experts-implementation", "fastest"], "--experts-implementation fastest: .*batched_mm"),
+        (["--moe-pin-budget", "1000"], "the pinned backing store needs \\d+ bytes .* but pin_budget_bytes is 1000"),
+        (["--moe-expert-cache-compression", "exponent"], "codes bfloat16 or float16 experts .*float32"),  # fp32 model
+        (["--max-new-tokens", "509"], "--max-new-tokens 509: 4 prompt tokens \\+ 509 new tokens = 513, more than "
+                                      "the model's max_position_embeddings \\(512\\)"),
+    ],
+)  # fmt: skip
+def test_generate_refuses_before_the_weights_load(checkpoint, flags, expected, capsys):
+    """One line: no "Loading weights" bar before it (each was found after the load once)."""
+    argv = ["generate", "--model", str(checkpoint), "--moe-expert-cache-size", "4", "--device", "cpu"]
+    argv += ["--prompt", "1 2 3 4", *flags]
+    try:
+        status = main(argv)
+    except SystemExit as exit_info:  # the parser's refusals
+        status = exit_info.code
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    _check_one_line(captured.err, argv, expected)
 
 
 def test_generate_missing_directory(tmp_path, capsys):

@@ -100,11 +100,15 @@ def test_cli_reads_expert_bytes_from_a_manifest(tmp_path, capsys):
     assert "--moe-expert-cache-size 2" in out
 
 
-def test_a_budget_below_one_slot_per_layer_says_so(tmp_path, capsys):
+@pytest.mark.parametrize("budget", ["1e-6", "3e-6"])  # 0 and 1 slots a layer, of top-2
+def test_a_budget_below_top_k_slots_per_layer_says_so(tmp_path, capsys, budget):
     _trace().save(tmp_path / "trace.npz")
     args = ["plan", "--trace", str(tmp_path / "trace.npz"), "--expert-bytes", "1000"]
-    assert main([*args, "--gpu-budget", "1e-6", "--no-progress"]) == 0
-    assert "fewer than one per layer" in capsys.readouterr().out
+    assert main([*args, "--gpu-budget", budget, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "fewer than the 2 a cache needs (the router's top-k" in out and "raise --gpu-budget" in out
+    assert "recommendation:" not in out
+    assert "\nlayer       1 " not in out  # a size the runtime refuses is not scored
 
 
 @pytest.mark.skipif(not TRACES.is_dir(), reason="no real routing traces (../shared/traces)")
@@ -150,3 +154,33 @@ def test_overlapped_passes_replay_as_a_decode_stack_serves_them(tmp_path, capsys
     assert "calls that do not fit: overlapped passes" in capsys.readouterr().out
     assert main(common) == 0
     assert "calls that do not fit: passes one after the other" in capsys.readouterr().out
+
+
+def test_the_readme_synopsis_lists_every_plan_flag():
+    import re
+    from pathlib import Path
+
+    from expertcache.cli import build_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Command line", 1)[1].split("```", 2)[1]
+    synopsis = block[block.index("expertcache plan") :]
+    subparsers = next(action for action in build_parser()._actions if action.dest == "command")
+    flags = {name for action in subparsers.choices["plan"]._actions for name in action.option_strings}
+    missing = [
+        flag for flag in sorted(flags - {"-h", "--help"}) if not re.search(re.escape(flag) + r"(?![\w-])", synopsis)
+    ]
+    assert not missing, f"README's synopsis of plan lacks {missing}"
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="no real routing traces (../shared/traces)")
+def test_every_shared_trace_folder_loads_but_the_one_mixing_formats():
+    """What the README says --trace takes: a folder whose routing files share one format."""
+    from expertcache.trace import load_trace
+
+    for folder in sorted(path for path in TRACES.iterdir() if path.is_dir()):
+        if folder.name.startswith("mixtral"):  # decode_routing and raw_routing_log files
+            with pytest.raises(ValueError, match="mixes trace formats; load one file"):
+                load_trace(folder)
+        else:
+            assert load_trace(folder).num_records > 0, folder

@@ -65,7 +65,7 @@ def test_cli_takes_the_bytes_measured_on_the_models_experts(tmp_path, capsys):
     coded = CachedWeightProvider(coded_weights(), cache_size=4, device="cpu", compression="exponent")
     manifest = coded.manifest()
     manifest.write(tmp_path / "manifest.json")
-    flags = ["--manifest", str(tmp_path / "manifest.json")]
+    flags = ["--manifest", str(tmp_path / "manifest.json"), "--num-experts", "9"]  # the manifest's model: 9 experts
     out, _ = _plan_csv(tmp_path, capsys, *flags)
     assert "add --compression exponent" in out and "bytes per miss" not in out  # raw unless asked
     out, _ = _plan_csv(tmp_path, capsys, *flags, "--compression", "exponent")

@@ -2,6 +2,7 @@
 
 A type raises ``argparse.ArgumentTypeError``, so a bad value ends the command at once with
 argparse's exit status 2 and one line naming the flag, before any file or model is read.
+`check_sequence_length` checks a token count against the model's config, before the weights.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
+
+from expertcache.commands.files import check_output_path, named_path
 
 #: The largest whole number a count flag takes by default (int32: slot ids, token counts).
 MAX_COUNT = 2**31 - 1
@@ -63,22 +66,24 @@ def positive_number(maximum: float) -> Callable[[str], float]:
 
 
 def output_file(suffix: str | None = None) -> Callable[[str], Path]:
-    """An argparse type: a file that can be written (its folder exists; not a directory)."""
+    """An argparse type: a file that can be written (see `expertcache.commands.files.check_output_path`)."""
 
     def parse(text: str) -> Path:
-        path = Path(text)
-        if not text.strip():
-            raise argparse.ArgumentTypeError("must name a file, got an empty string")
-        if path.is_dir():
-            raise argparse.ArgumentTypeError(f"{shown(text)} is a directory; give a file name")
-        if suffix is not None and path.suffix.lower() != suffix:
-            raise argparse.ArgumentTypeError(f"must name a {suffix} file, got {shown(text)}")
-        if not path.parent.is_dir():
-            raise argparse.ArgumentTypeError(f"{shown(text)}: the folder {path.parent} does not exist")
-        return path
+        try:
+            return check_output_path(text, suffix)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
     parse.__name__ = "output_file"
     return parse
+
+
+def input_path(text: str) -> Path:
+    """An argparse type: a file or folder to read, named (an empty name would be the current folder)."""
+    try:
+        return named_path(text, "a file or folder")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def device_name(text: str):
@@ -96,3 +101,21 @@ def device_name(text: str):
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return torch.device("cpu") if device.type == "cpu" else device
+
+
+def check_sequence_length(model_config, prompt_tokens: int, new_tokens: int, flag: str) -> None:
+    """Refuse a prompt and new tokens longer together than the model's positions.
+
+    Checked on the transformers config, before any weight is read; a config that states no
+    ``max_position_embeddings`` is not limited here.
+
+    Raises:
+        ValueError: ``prompt_tokens + new_tokens`` above ``max_position_embeddings``
+            (the message names ``flag``).
+    """
+    limit = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and prompt_tokens + new_tokens > limit:
+        raise ValueError(
+            f"{flag} {new_tokens}: {prompt_tokens} prompt tokens + {new_tokens} new tokens = "
+            f"{prompt_tokens + new_tokens}, more than the model's max_position_embeddings ({limit})"
+        )

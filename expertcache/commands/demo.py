@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 
-from expertcache.commands.arguments import device_name, output_file, positive_int
+from expertcache.commands.arguments import check_sequence_length, device_name, output_file, positive_int
+
+#: Prompt length of the demo's runs (random token ids).
+PROMPT_TOKENS = 24
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,12 +50,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from expertcache.demo import run_demo
+    from expertcache.demo import DEMO_SIZES, run_demo
+    from expertcache.integrations.transformers.random_models import random_config
 
+    model_config = random_config(args.family, DEMO_SIZES)  # no weights: built in run_demo
+    check_sequence_length(model_config, PROMPT_TOKENS, args.new_tokens, "--new-tokens")
     rows = run_demo(
         family=args.family,
         device=args.device,
         new_tokens=args.new_tokens,
+        prompt_tokens=PROMPT_TOKENS,
         trace_path=args.save_trace,
         graphs=args.graphs,  # None: on CUDA
     )

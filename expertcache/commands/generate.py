@@ -1,10 +1,14 @@
 """``expertcache generate``: greedy generation from a local checkpoint with the expert cache.
 
 Everything that can be wrong with the request is checked before any weight is read: the
-flags (a device that exists, a mode this machine runs, a folder for ``--save-trace``), the
-directory (``config.json`` that is JSON, weight files), the model's MoE layers (on a
-weightless meta-device copy of the architecture) and the cache size against them, the
-prompt against the tokenizer or the vocabulary. Each failure is one line, exit status 2.
+flags (a device that exists, a mode this machine runs, a writable ``--save-trace`` that is
+none of the checkpoint's files), the directory (``config.json`` that is JSON, weight
+files), the model's MoE layers (on a weightless meta-device copy of the architecture) and
+the cache size against them, ``--experts-implementation``, the pin budget and the
+compression against the experts' bytes and dtype (on that copy, when its experts are those
+that load: not a quantized checkpoint), the prompt against the tokenizer or the vocabulary
+and, with ``--max-new-tokens``, against the model's positions. Each failure is one line,
+exit status 2.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import json
 from pathlib import Path
 
 from expertcache.cli import add_cache_arguments, cache_config_from_args
-from expertcache.commands.arguments import device_name, output_file, positive_int
+from expertcache.commands.arguments import check_sequence_length, device_name, input_path, output_file, positive_int
+from expertcache.commands.files import check_distinct
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -28,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Load a transformers checkpoint directory (from_pretrained on a path), serve "
         "its experts through the cache and generate greedily.",
     )
-    parser.add_argument("--model", required=True, type=Path, metavar="DIR", help="checkpoint dir")
+    parser.add_argument("--model", required=True, type=input_path, metavar="DIR", help="checkpoint dir")
     parser.add_argument(
         "--prompt",
         default=None,
@@ -77,6 +82,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.prompt is not None and not args.prompt.strip():
         parser.error("--prompt is empty")
     _check_directory(args.model, parser)
+    if args.save_trace is not None:
+        check_distinct({"--save-trace": args.save_trace}, {"--model": sorted(args.model.iterdir())})
     import torch
     from transformers import AutoConfig
 
@@ -88,7 +95,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         device = resolve_device(args.device)
         check_mode_runs_here(config.mode, device)
         model_config = AutoConfig.from_pretrained(args.model)
-        blocks = check_cache_size(_skeleton(model_config), config.cache_size)
+        skeleton = _skeleton(model_config)
+        blocks = check_cache_size(skeleton, config.cache_size)
     except (ValueError, OSError) as error:  # unknown model type, no MoE layers, size out of range
         parser.error(f"{args.model}: {error}")
     slots = getattr(args, "moe_expert_cache_device", None)
@@ -99,8 +107,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     if args.graphs:
         _check_graphs(args, config, device, parser)
+    _check_serving(skeleton, blocks, config, args.experts_implementation, parser)
     tokenizer = _tokenizer(args.model)
     input_ids = _prompt_ids(args.prompt, tokenizer, model_config, parser).to(device)
+    check_sequence_length(model_config, input_ids.shape[1], args.max_new_tokens, "--max-new-tokens")
     config = dataclasses.replace(config, device=str(device))
     return _generate(args, config, blocks, tokenizer, input_ids, device, torch)
 
@@ -117,6 +127,39 @@ def _check_graphs(args, config, device, parser: argparse.ArgumentParser) -> None
         )
     if args.save_trace is not None:
         parser.error("--graphs cannot record a routing trace (the recorder copies ids to the host every layer)")
+
+
+def _check_serving(skeleton, blocks, config, implementation, parser: argparse.ArgumentParser) -> None:
+    """What would be refused once the weights are in, checked on the meta-device copy."""
+    from expertcache.integrations.transformers.serving import check_pin_budget
+    from expertcache.store import check_compression
+
+    if implementation is not None:
+        try:
+            skeleton.set_experts_implementation(implementation)
+        except ValueError as error:  # transformers lists the names it accepts for this model
+            parser.error(f"--experts-implementation {implementation}: {error}")
+    if skeleton.config.dtype is None or getattr(skeleton.config, "quantization_config", None) is not None:
+        return  # its experts are not those that load (dtype="auto", quantized): enabling checks those
+    layouts = [_layout(block) for block in blocks]
+    try:
+        check_pin_budget(blocks, layouts, config.pin_budget_bytes)
+        for layout in layouts:
+            check_compression(config.compression, layout)
+    except ValueError as error:  # PinBudgetError is one
+        parser.error(str(error))
+
+
+def _layout(block):
+    """The cache layout of a meta-device block's experts: stand-ins of their shapes and dtypes,
+    one element of memory each (`layout_from_weights` refuses meta tensors, which hold no data)."""
+    import torch
+
+    from expertcache.layout import layout_from_weights
+
+    parameters = {block.cache_name(name): block.module.get_parameter(name) for name in block.parameter_names}
+    stand_ins = {name: torch.empty((), dtype=p.dtype).expand(p.shape) for name, p in parameters.items()}
+    return layout_from_weights(stand_ins)[1]
 
 
 def _check_directory(path: Path, parser: argparse.ArgumentParser) -> None:
@@ -191,10 +234,7 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
         raise ValueError(f"--model {args.model}: cannot load the weights ({type(error).__name__}: {error})") from None
     recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
     if args.experts_implementation is not None:
-        try:
-            model.set_experts_implementation(args.experts_implementation)
-        except ValueError as error:  # transformers lists the names it accepts for this model
-            raise ValueError(f"--experts-implementation {args.experts_implementation}: {error}") from None
+        model.set_experts_implementation(args.experts_implementation)  # accepted by the skeleton
     elif args.graphs:
         # what generate() decodes with on a GPU; grouped_mm's fallbacks (non-bf16) sync
         model.set_experts_implementation("batched_mm")

@@ -1,11 +1,18 @@
 """``expertcache plan``: which cache size and policy a GPU budget buys, scored on a trace.
 
-    expertcache plan --trace FILE (--expert-bytes B | --manifest FILE) --gpu-budget GB
-                     [--bandwidth GBps] [--layers N] [--plot FILE.png] [--csv FILE]
+    expertcache plan --trace FILE|DIR (--expert-bytes B | --manifest FILE) --gpu-budget GB
+                     [--bandwidth GBps] [--layers N] [--num-experts E] [--policies lru,arc,...]
+                     [--plot FILE.png] [--csv FILE] [--no-progress]
                      [--compression exponent [--compression-ratio R]] [--overlapped-passes]
 
-``--trace`` takes a RoutingTrace ``.npz``, any ``shared/traces`` file or folder (see
-`expertcache.trace.load_trace`). GB here are 1e9 bytes.
+``--trace`` takes a RoutingTrace ``.npz``, any ``shared/traces`` routing file, or a folder
+whose routing files share one format (see `expertcache.trace.load_trace`). GB here are 1e9
+bytes.
+
+Nothing is written until the plan is made: ``--csv`` and ``--plot`` are checked before the
+trace is read (writable, neither the other nor an input file) and rendered in memory, then
+written. ``--manifest`` must describe the trace's model (its experts per layer); the
+recommended cache size is one the runtime takes (at least the trace's top-k).
 
 ``--compression exponent`` costs each miss at the coded bytes of an exponent-coded store
 (``--moe-expert-cache-compression exponent``); the slots, and so the cache size a budget
@@ -27,13 +34,16 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import io
 import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from expertcache.commands.arguments import MAX_COUNT, output_file, positive_number, whole_number
+from expertcache.commands.arguments import MAX_COUNT, input_path, output_file, positive_number, whole_number
+from expertcache.commands.files import check_distinct, write_whole
 from expertcache.config import COMPRESSION_CHOICES
+from expertcache.manifest import MAX_EXPERT_BYTES
 from expertcache.passes import OVERLAP_MAX_IDS
 from expertcache.planner import RUNTIME_POLICIES, Plan, PlanRow, check_policies
 
@@ -52,10 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan", help="score policies x cache sizes on a routing trace; recommend a cache size"
     )
-    parser.add_argument("--trace", required=True, help="routing trace (.npz, .jsonl or folder)")
+    parser.add_argument("--trace", required=True, type=input_path, help="routing trace (.npz, .jsonl or folder)")
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--expert-bytes", type=whole_number(1, 2**53), help="bytes of one expert (record)")
-    size.add_argument("--manifest", help="manifest JSON (provider.manifest().write(FILE))")
+    size.add_argument("--expert-bytes", type=whole_number(1, MAX_EXPERT_BYTES), help="bytes of one expert (record)")
+    size.add_argument("--manifest", type=input_path, help="manifest JSON (provider.manifest().write(FILE))")
     gigabytes = positive_number(MAX_GIGABYTES)
     parser.add_argument("--gpu-budget", type=gigabytes, required=True, help="GB for slots")
     parser.add_argument("--bandwidth", type=gigabytes, help="host->GPU copy GB/s")
@@ -100,10 +110,13 @@ def _policy_list(text: str) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from expertcache.planner import plan
-    from expertcache.trace import load_trace
+    from expertcache.trace import load_trace, trace_files
 
     if args.compression_ratio is not None and args.compression != "exponent":
         raise ValueError("--compression-ratio applies with --compression exponent")
+    outputs = {flag: path for flag, path in (("--csv", args.csv), ("--plot", args.plot)) if path is not None}
+    inputs = {"--trace": trace_files(args.trace), "--manifest": [args.manifest] if args.manifest else []}
+    check_distinct(outputs, inputs)
     manifest = read_manifest_sizes(args.manifest) if args.manifest else None
     coded = read_manifest_copy_bytes(args.manifest) if args.manifest else None
     trace = load_trace(args.trace, num_experts=args.num_experts)
@@ -117,8 +130,11 @@ def run(args: argparse.Namespace) -> int:
     if manifest is not None:
         expert_bytes, per_layer = manifest
         if per_layer != trace.num_experts:
-            note = f"the manifest has {per_layer} experts per layer, the trace {trace.num_experts}"
-            print(f"note: {note}")
+            raise ValueError(
+                f"--manifest {args.manifest} has {per_layer} experts per layer, the trace {trace.num_experts}: "
+                "the plan would be for another model (a trace that does not state its experts counts to its "
+                "largest id: --num-experts sets it)"
+            )
     copy_bytes, copy_source = bytes_per_miss(args.compression, args.compression_ratio, expert_bytes, coded)
     if coded is not None and args.compression != "exponent":
         print(f"note: the manifest's store is exponent-coded ({coded:,} bytes a miss); "
@@ -141,13 +157,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"bytes per miss {copy_bytes:,} ({copy_bytes / expert_bytes:.3f} of the expert bytes, {copy_source})")
     print(format_table(result, policies))
     print(recommendation(result, trace.num_experts, args.layers or trace.num_layers))
-    if args.csv:
-        _write_csv(result, args.csv)
+    files = {path: _render(flag, result, trace.model or args.trace.name) for flag, path in outputs.items()}
+    for path, data in files.items():  # rendered first: a plot that fails leaves no CSV behind
+        write_whole(path, data)
     if args.plot:
-        from expertcache.plan_plot import plot_plan
-
-        name = trace.model or Path(args.trace).name
-        plot_plan(result, args.plot, title=f"{name}: hit rate vs cache size")
         print(f"plot: {args.plot}")
     return 0
 
@@ -258,10 +271,11 @@ def format_table(result: Plan, policies: list[str]) -> str:
 
 def recommendation(result: Plan, num_experts: int, layers: int) -> str:
     """What to run with, in one paragraph."""
-    if result.layer_cache_size < 1:
+    if result.layer_cache_size < result.min_cache_size:
         return (
-            f"The budget buys {result.budget_slots} expert slots, fewer than one per layer "
-            f"({layers} layers): raise --gpu-budget."
+            f"The budget buys {result.budget_slots} expert slots, {result.layer_cache_size} per layer "
+            f"({layers} layers): fewer than the {result.min_cache_size} a cache needs (the router's top-k, "
+            "the smallest --moe-expert-cache-size): raise --gpu-budget."
         )
     layer = result.row("layer", result.layer_cache_size, result.layer_policy)
     pool = result.row("global", result.global_slots, result.global_policy)
@@ -283,10 +297,14 @@ def recommendation(result: Plan, num_experts: int, layers: int) -> str:
     )
 
 
-def _write_csv(result: Plan, path: str | Path) -> None:
-    fields = [field.name for field in dataclasses.fields(PlanRow)]
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        for row in result.rows:
-            writer.writerow(dataclasses.asdict(row))
+def _render(flag: str, result: Plan, name: str) -> bytes:
+    """The bytes of the ``--csv`` or ``--plot`` file."""
+    if flag == "--plot":
+        from expertcache.plan_plot import render_plan
+
+        return render_plan(result, title=f"{name}: hit rate vs cache size")
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=[field.name for field in dataclasses.fields(PlanRow)])
+    writer.writeheader()
+    writer.writerows(dataclasses.asdict(row) for row in result.rows)
+    return text.getvalue().encode("utf-8")

@@ -3,7 +3,7 @@
 """
 
 from expertcache.trace.format import RoutingTrace
-from expertcache.trace.loaders import detect_format, load_trace
+from expertcache.trace.loaders import detect_format, load_trace, trace_files
 from expertcache.trace.recorder import RoutingRecorder
 
-__all__ = ["RoutingRecorder", "RoutingTrace", "detect_format", "load_trace"]
+__all__ = ["RoutingRecorder", "RoutingTrace", "detect_format", "load_trace", "trace_files"]

@@ -7,7 +7,10 @@ Accepted inputs:
 * a ``.jsonl`` in one of the formats of ``shared/traces`` (see `detect_format`);
 * a folder: every routing file in it, which must share one format, loaded in name order
   and concatenated (each file starts a request). Files that are not routing traces
-  (``prompts.txt``, ``*_outputs.jsonl``) are skipped.
+  (``prompts.txt``, ``*_outputs.jsonl``) are skipped; a folder whose routing files are of
+  two formats (``shared/traces``' Mixtral one) is refused: name one file.
+
+`trace_files` lists the files a path stands for, so a command can refuse to write over one.
 
 Each format's loader handles that format's known defects and states them in ``notes``.
 Anything wrong with a file raises `TraceFileError` (a ValueError) naming it.
@@ -88,6 +91,19 @@ def _format_of(record: dict) -> str | None:
     return None
 
 
+def trace_files(path: str | Path) -> list[Path]:
+    """The files `load_trace` reads for ``path``: itself, or a folder's routing files in name order.
+
+    Raises:
+        ValueError: an empty str (``Path("")`` is the current folder). TraceFileError (a
+            ValueError): a folder with no routing trace or mixing formats.
+    """
+    if not str(path).strip():
+        raise ValueError("the trace path is empty (it would name the current folder)")
+    path = Path(path)
+    return _routing_files(path) if path.is_dir() else [path]
+
+
 def load_trace(path: str | Path, *, num_experts: int | None = None) -> RoutingTrace:
     """Load ``path`` (an ``.npz`` trace, a ``.jsonl`` or a folder of one format) as a `RoutingTrace`.
 
@@ -98,14 +114,16 @@ def load_trace(path: str | Path, *, num_experts: int | None = None) -> RoutingTr
 
     Raises:
         TypeError / ValueError: ``num_experts`` not a positive int.
+        ValueError: an empty path (`trace_files`).
         TraceFileError (a ValueError): missing, unknown format, a folder mixing formats, or
             anything malformed in the file (named with its line where there is one).
     """
     if num_experts is not None:
         whole_number("num_experts", num_experts, minimum=1, maximum=MAX_EXPERTS)
+    files = trace_files(path)
     path = Path(path)
     if path.is_dir():
-        return _load_folder(path, num_experts)
+        return _load_folder(path, files, num_experts)
     check_readable_file(path)
     with open(path, "rb") as file:
         if file.read(2) == b"PK":  # a zip archive: what RoutingTrace.save writes
@@ -135,9 +153,10 @@ def _first_line_says(path: Path) -> str:
     return f"its first record has the fields {sorted(record)[:8]}"
 
 
-def _load_folder(folder: Path, num_experts: int | None) -> RoutingTrace:
-    found: dict[Path, str | None] = {file: detect_format(file) for file in sorted(folder.glob("*.jsonl"))}
-    found = {file: kind for file, kind in found.items() if kind is not None}
+def _routing_files(folder: Path) -> list[Path]:
+    """The routing files of ``folder``, of one format, in name order."""
+    formats = {file: detect_format(file) for file in sorted(folder.glob("*.jsonl"))}
+    found = {file: kind for file, kind in formats.items() if kind is not None}
     found.update({file: "npz" for file in sorted(folder.glob("*.npz"))})
     kinds = set(found.values())
     if not kinds:
@@ -145,10 +164,14 @@ def _load_folder(folder: Path, num_experts: int | None) -> RoutingTrace:
     if len(kinds) > 1:
         listing = ", ".join(f"{file.name} ({kind})" for file, kind in found.items())
         raise TraceFileError(folder, f"mixes trace formats; load one file: {listing}")
-    traces = [load_trace(file, num_experts=num_experts) for file in found]
+    return list(found)
+
+
+def _load_folder(folder: Path, files: list[Path], num_experts: int | None) -> RoutingTrace:
+    traces = [load_trace(file, num_experts=num_experts) for file in files]
     if len(traces) == 1:
         return traces[0]
-    names = ", ".join(file.name for file in found)
+    names = ", ".join(file.name for file in files)
     try:
         return concatenate(traces, notes=f"{len(traces)} files concatenated ({names}).")
     except ValueError as error:

@@ -15,7 +15,9 @@ uniform weights). The loader drops a leading run of identical rows of at least
 ``min_dummy_rows`` and says so in ``notes``.
 
 Every line after the metadata must be a ``"route"`` record; a ``num_experts`` given to the
-loader takes the place of the metadata's.
+loader takes the place of the metadata's. ``layers_logged`` (both logs of ``shared/traces``
+say ``[0]``), when the metadata has it, must name exactly the layers the route records
+are of (dummies included): a log cut short or two logs run together is refused.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ def load_route_log(path: str | Path, *, num_experts: int | None = None, min_dumm
         `RoutingTrace` with ``expert_ids`` ``[N, L, K]`` (``L`` = layers logged).
 
     Raises:
-        TraceFileError: no or malformed metadata, a malformed record, or two records for
-            one (token, layer).
+        TraceFileError: no or malformed metadata, a malformed record, route records of other
+            layers than the metadata's ``layers_logged``, or two records for one (token, layer).
     """
     lines = read_jsonl(path)
-    checker, meta = _read_meta(path, next(lines, None), num_experts)
+    head = next(lines, None)
+    checker, meta = _read_meta(path, head, num_experts)
     rows = _Rows(checker, lines)
+    _check_layers_logged(checker, head, rows.layers)
     batched = 0 in rows.positions[1:]
     dummies = _leading_dummies(rows.experts, rows.positions, batched, min_dummy_rows)
     if dummies == len(rows.experts):
@@ -121,6 +125,23 @@ def _read_meta(path: str | Path, first: tuple[int, dict] | None, num_experts: in
     if "topk_ids" in meta:  # a route record run into the meta line: its routing would be lost
         raise checker.fail(line, "meta record: it holds 'topk_ids', a route record's field (two records run together?)")
     return checker, meta
+
+
+def _check_layers_logged(checker: RecordChecker, first: tuple[int, dict] | None, layers: list[int]) -> None:
+    """Raise unless the meta record's ``layers_logged`` (where it has one) names the layers of the rows."""
+    assert first is not None  # _read_meta has refused a log without a meta record
+    line, meta = first
+    declared = meta.get("layers_logged")
+    if declared is None:
+        return
+    if not isinstance(declared, list) or not all(type(layer) is int for layer in declared):
+        got = f"{json_type(declared)} {declared!r:.40}"
+        raise checker.fail(line, f"meta record: 'layers_logged' must be a list of layer numbers, got {got}")
+    found = sorted(set(layers))
+    if sorted(set(declared)) != found:
+        raise checker.fail(
+            line, f"meta record: 'layers_logged' is {declared!r:.60} but the route records are of layers {found!r:.60}"
+        )
 
 
 def _refuse_repeats(checker: RecordChecker, cells: np.ndarray, numbers: list[int]) -> None:

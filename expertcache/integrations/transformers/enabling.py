@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from expertcache.config import ExpertCacheConfig
+from expertcache.config import ExpertCacheConfig, cache_size_range
 from expertcache.integrations.transformers import dispatch
 from expertcache.integrations.transformers.discovery import (
     ExpertBlock,
@@ -152,7 +152,7 @@ def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
     blocks = find_expert_blocks(model)
     fewest = min(block.num_experts for block in blocks)
     top_k = getattr(blocks[0].module.config, "num_experts_per_tok", None) or 1
-    if not top_k <= cache_size <= fewest:
+    if cache_size not in cache_size_range(top_k, fewest):
         raise ValueError(
             f"the expert cache size (--moe-expert-cache-size, slots per MoE layer) must be between "
             f"{top_k} (the router's top-k) and {fewest} (experts per layer) for this "

@@ -61,14 +61,17 @@ def greedy_generate(
         model: a transformers ``*ForCausalLM``.
         input_ids: ``[B, P]`` int64 prompt on the model's device.
         max_new_tokens: tokens to generate per sequence.
-        progress: a tqdm description to show a bar with (batch size 1 only), or None.
+        progress: a tqdm description to show a bar with (batch size 1 only, on a
+            terminal: none in a log), or None.
         stop_at_eos: stop at the model's end-of-sequence token (default: always generate
             exactly ``max_new_tokens``, so runs compare token for token).
     """
     device = input_ids.device
     streamer = None
     if progress is not None and input_ids.shape[0] == 1:
-        streamer = _TokenProgress(tqdm(total=max_new_tokens, desc=progress, unit="tok", leave=False))
+        # disable=None: shown on a terminal, silent when stderr is a file or a pipe (logs)
+        bar = tqdm(total=max_new_tokens, desc=progress, unit="tok", leave=False, disable=None)
+        streamer = _TokenProgress(bar)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
