@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import devices
 from helpers import random_weights, views
 
 from expertcache import CachedWeightProvider, FullGPUProvider, PinBudgetError, SlotPool
@@ -161,14 +162,15 @@ def test_sparse_or_nested_ids_are_refused_by_name_and_change_nothing(weights, ma
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("device", devices())  # prefetch is device mode's: the interpreter or a GPU
 @pytest.mark.parametrize("make, kind", SPARSE[:1])  # 1-D ids: COO is the layout that has them
-def test_sparse_prefetch_ids_are_refused_by_name(weights, make, kind):
-    provider = CachedWeightProvider(weights, cache_size=2, device="cpu", mode="device")
+def test_sparse_prefetch_ids_are_refused_by_name(weights, make, kind, device):
+    provider = CachedWeightProvider(weights, cache_size=2, device=device, mode="device")
     before, prefetched = views(provider), provider.prefetch_stats
     with pytest.raises(TypeError, match=f"expert_ids must be a dense \\(strided\\) tensor, got a {kind} tensor"):
-        provider.prefetch(make(torch.tensor([0, 3])))
+        provider.prefetch(make(torch.tensor([0, 3], device=device)))
     with pytest.raises(TypeError, match="expert_ids must be a dense"):
-        provider.check_prefetch(make(torch.tensor([[0, 3]])))
+        provider.check_prefetch(make(torch.tensor([[0, 3]], device=device)))
     assert views(provider) == before and provider.prefetch_stats == prefetched
 
 
