@@ -30,7 +30,7 @@ from expertcache.integrations.transformers.random_models import FAMILIES, ModelS
 from expertcache.stats import CacheStats
 from expertcache.trace.format import RoutingTrace
 from expertcache.trace.recorder import RoutingRecorder
-from expertcache.validation import resolve_device
+from expertcache.validation import check_int, resolve_device
 
 #: The demo model: Qwen3-30B-A3B's routing shape (top-8 of many experts), scaled down.
 DEMO_SIZES = ModelSizes(
@@ -118,8 +118,7 @@ def _check_arguments(family, device, new_tokens, prompt_tokens, trace_path) -> t
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
     for name, value in (("new_tokens", new_tokens), ("prompt_tokens", prompt_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int(name, value, minimum=1)
     if trace_path is not None:
         path = Path(trace_path)
         if path.is_dir() or not path.parent.is_dir():

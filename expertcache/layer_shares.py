@@ -30,6 +30,7 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 from expertcache.policies import Key
+from expertcache.validation import check_int
 
 
 def layer_share(num_slots: int, num_layers: int) -> int:
@@ -50,12 +51,10 @@ def check_layers(num_layers: object, layer_of: object) -> None:
     """Check the layer arguments of a table or replay shared by ``num_layers`` layers.
 
     Raises:
-        ValueError: ``num_layers`` not a positive int, or several layers without ``layer_of``.
-        TypeError: a ``layer_of`` that is not callable.
+        ValueError: ``num_layers`` below 1, or several layers without ``layer_of``.
+        TypeError: ``num_layers`` not an integer, or a ``layer_of`` that is not callable.
     """
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-    if num_layers > 1 and layer_of is None:
+    if check_int("num_layers", num_layers, minimum=1) > 1 and layer_of is None:
         raise ValueError("a table or replay of several layers needs layer_of (the layer of a key)")
     if layer_of is not None and not callable(layer_of):
         raise TypeError(f"layer_of must be a function of a key, got {type(layer_of).__name__}")

@@ -16,6 +16,7 @@ from expertcache.errors import CacheCapacityError
 from expertcache.layer_shares import LayerFloor, check_layers, layer_share
 from expertcache.passes import group_passes
 from expertcache.policies import EvictionPolicy, Key, claim_policy
+from expertcache.validation import check_int
 
 
 class SlotTable:
@@ -40,8 +41,7 @@ class SlotTable:
         num_layers: int = 1,
         layer_of: Callable[[Key], int] | None = None,
     ) -> None:
-        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
-            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        num_slots = check_int("num_slots", num_slots, minimum=1)
         check_layers(num_layers, layer_of)
         self.num_slots = num_slots
         #: slots one call may hold, and that every layer keeps (`expertcache.layer_shares`)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +59,9 @@ def inputs(tmp_path) -> Path:
     return tmp_path
 
 
+_NAMES = ("trace.npz", "trace.png", "folder", "manifest.json", "plain", "link.csv")  # what `inputs` holds
+
+
 def _manifest(path: Path, **fields) -> Path:
     """A manifest of 8 experts per layer, 1000 bytes each, with ``fields`` in place of its own."""
     data = {"manifest_version": 2, "tensors": [], "layers": 2, "experts": 16, "expert_bytes": 1000,
@@ -99,12 +104,37 @@ def test_an_output_naming_an_input_is_refused_and_nothing_changes(flags, expecte
         (["--csv", "{d}/out.csv", "--plot", "{d}/plain/p.png"], "argument --plot: .*plain is not a folder"),
         (["--csv", "{d}/folder"], "argument --csv: .*folder: is a directory"),
         (["--csv", ""], "argument --csv: must name a file, got an empty string"),
+        # Path("plain/") is Path("plain"): the file would be replaced, a missing one created
+        (["--csv", "{d}/plain/"], "argument --csv: .*plain/: names a folder; give a file name"),
+        (["--csv", "{d}/new/"], "argument --csv: .*new/: names a folder"),
+        (["--plot", "{d}/new.png/."], "argument --plot: .*new.png/.: names a folder"),
+        (["--csv", "{d}/" + "a" * 300 + ".csv"], "argument --csv: .*a.csv: File name too long"),  # stat raises
     ],
 )
 def test_an_unwritable_output_is_refused_before_the_trace_is_read(flags, expected, inputs, capsys):
     before = _files(inputs)
     _refused([*_PLAN, "--trace", str(inputs / "trace.npz"), *(f.format(d=inputs) for f in flags)], capsys, expected)
     assert _files(inputs) == before  # out.csv, beside the bad --plot, was not written either
+    assert sorted(path.name for path in inputs.iterdir()) == sorted(_NAMES)
+
+
+def test_a_saved_trace_named_as_a_folder_is_refused(tmp_path, capsys):
+    (tmp_path / "kept").write_text("keep")
+    for name in ("kept/", "new/", "new/."):
+        _refused(["demo", "--save-trace", f"{tmp_path}/{name}"], capsys, f"--save-trace: .*{name}: names a folder")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["kept"] and (tmp_path / "kept").read_text() == "keep"
+
+
+def test_links_that_lead_nowhere_are_refused_in_one_line(inputs, capsys):
+    """A loop of links (an output or the trace) and a link into a missing folder: refused before
+    any work, never a traceback (Path.resolve raises RuntimeError on a loop)."""
+    (inputs / "loop.csv").symlink_to(inputs / "loop.csv")
+    (inputs / "dangling.csv").symlink_to(inputs / "gone" / "x.csv")
+    trace = ["--trace", str(inputs / "trace.npz")]
+    _refused([*_PLAN, *trace, "--csv", str(inputs / "loop.csv")], capsys, "--csv: .*loop.csv: a loop of symbolic links")
+    _refused([*_PLAN, *trace, "--csv", str(inputs / "dangling.csv")], capsys, "dangling.csv: the folder .*gone does")
+    _refused([*_PLAN, "--trace", str(inputs / "loop.csv"), "--csv", str(inputs / "o.csv")], capsys, "loop.csv")
+    assert not (inputs / "o.csv").exists() and not (inputs / "gone").exists()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere: access() refuses nothing")
@@ -276,3 +306,17 @@ def test_a_plan_never_recommends_fewer_slots_than_the_runtime_takes():
     assert low.layer_cache_size == 1 and all(row.slots >= 2 for row in low.rows if row.scope == "layer")
     enough = plan(trace, expert_bytes=1000, gpu_budget_bytes=4000)
     assert enough.layer_cache_size == 2 and enough.row("layer", 2, enough.layer_policy)
+
+
+def test_python_dash_m_runs_the_command_and_refuses_in_one_line():
+    """``python -m expertcache`` is the ``expertcache`` command: same parser, same exit status."""
+    done = subprocess.run(
+        [sys.executable, "-m", "expertcache", "plan", "--trace", "", "--expert-bytes", "1", "--gpu-budget", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "expertcache plan: error: argument --trace: must name a file or folder, got an empty string"
+    ]

@@ -230,7 +230,7 @@ def test_requests_are_checked():
         runner.generate(_prompts(1, 15), max_new_tokens=6)
     with pytest.raises(ValueError, match=r"batch must be in \[1, 2\]"):
         runner.generate(_prompts(3), max_new_tokens=2)
-    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         runner.generate(_prompts(1), max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         runner.generate(_prompts(1), max_new_tokens=2, do_sample=True, top_p=0.0)
@@ -239,7 +239,7 @@ def test_requests_are_checked():
     with pytest.raises(ValueError, match="the model's vocabulary"):
         runner.generate(_prompts(1) + model.get_input_embeddings().num_embeddings, max_new_tokens=2)
     assert torch.equal(runner.generate(_prompts(1), max_new_tokens=2), runner.generate(_prompts(1), max_new_tokens=2))
-    with pytest.raises(ValueError, match="max_length must be a positive int"):
+    with pytest.raises(ValueError, match="max_length must be >= 1"):
         GraphedGenerator(model, max_length=0)
 
 

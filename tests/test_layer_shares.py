@@ -139,7 +139,7 @@ def test_replay_of_shared_layers_checks_its_arguments_and_names_a_bad_call():
     layer_of = lambda key: key // 10  # noqa: E731
     with pytest.raises(ValueError, match="call 1: .*keys of one layer"):
         replay([[0], [0, 1, 10]], policy="lru", capacity=4, num_layers=2, layer_of=layer_of)
-    with pytest.raises(ValueError, match="num_layers must be a positive int"):
+    with pytest.raises(TypeError, match="num_layers must be an int"):
         replay([[0]], policy="lru", capacity=4, num_layers="2", layer_of=layer_of)
     with pytest.raises(ValueError, match="needs layer_of"):
         replay([[0]], policy="lru", capacity=4, num_layers=2)

@@ -84,7 +84,7 @@ def test_a_disengaged_pacer_leaves_the_pool_alone():
     assert provider.pool.copy_expert is before
 
 
-@pytest.mark.parametrize("chunk_bytes", [0, -1, 1.5])
-def test_bad_chunk_sizes_are_refused(chunk_bytes):
-    with pytest.raises(ValueError, match="chunk_bytes"):
+@pytest.mark.parametrize("chunk_bytes, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_chunk_sizes_are_refused(chunk_bytes, error):
+    with pytest.raises(error, match="chunk_bytes"):
         CopyPacer(world_size=2, enabled=True, chunk_bytes=chunk_bytes)

@@ -54,8 +54,8 @@ def test_round_robin_deals_experts_like_cards():
     "args, match",
     [
         ((4, 5), "every rank must own"),
-        ((4, 0), "positive int"),
-        ((0, 1), "positive int"),
+        ((4, 0), "world_size must be >= 1"),
+        ((0, 1), "num_experts must be >= 1"),
         ((4, 2, "striped"), "unknown scheme"),
     ],
 )

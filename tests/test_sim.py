@@ -40,8 +40,8 @@ def test_oversize_calls_run_in_passes_or_are_refused():
     ("kwargs", "error"),
     [
         ({"capacity": 0}, ValueError),
-        ({"capacity": True}, ValueError),
-        ({"capacity": 2.0}, ValueError),
+        ({"capacity": True}, TypeError),  # a bool is not a count
+        ({"capacity": 2.0}, TypeError),
         ({"capacity": 2, "oversize": "drop"}, ValueError),
         ({"capacity": 2, "policy": "nope"}, ValueError),
         ({"capacity": 2, "policy": 3}, TypeError),

@@ -34,25 +34,42 @@ def check_output_path(path: str | Path, suffix: str | None = None) -> Path:
     Raises:
         ValueError: an empty name, another suffix, a directory, an existing path that is
             not a regular file (a device such as ``/dev/full``, a pipe) or not writable, or
-            a folder that does not exist, is not a folder or is not writable.
+            a folder that does not exist, is not a folder or is not writable (for a
+            link: where it leads; a loop of links), a name that ends in a folder (``out/``,
+            ``out/.``) or that the file system refuses (too long).
     """
-    path = named_path(str(path))
+    text = str(path)
+    path = named_path(text)
+    if os.path.basename(text) in ("", ".", ".."):  # Path("out/") is Path("out"): a file would take the name
+        raise ValueError(f"{text}: names a folder; give a file name")
     if suffix is not None and path.suffix.lower() != suffix:
         raise ValueError(f"{path}: must name a {suffix} file (a name ending in {suffix})")
-    if path.is_dir():
+    try:
+        _check_writable(path)
+    except OSError as error:  # a name too long, a loop of links: what stat refuses
+        raise ValueError(f"{path}: {error.strerror}") from None
+    return path
+
+
+def _check_writable(path: Path) -> None:
+    """The checks of `check_output_path` that ask the file system; a link is checked where it
+    leads (the messages name ``path``)."""
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if target.is_symlink():  # realpath stops in a loop of links
+        raise ValueError(f"{path}: a loop of symbolic links")
+    if target.is_dir():
         raise ValueError(f"{path}: is a directory; give a file name")
-    if path.exists() and not path.is_file():
+    if target.exists() and not target.is_file():
         raise ValueError(f"{path}: not a regular file (a device, a pipe or a socket); give a file name")
-    if path.exists() and not os.access(path, os.W_OK):
+    if target.exists() and not os.access(target, os.W_OK):
         raise ValueError(f"{path}: the file is not writable")
-    folder = path.parent
+    folder = target.parent
     if not folder.exists():
         raise ValueError(f"{path}: the folder {folder} does not exist")
     if not folder.is_dir():
         raise ValueError(f"{path}: {folder} is not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{path}: the folder {folder} is not writable")
-    return path
 
 
 def check_distinct(outputs: Mapping[str, Path], inputs: Mapping[str, Iterable[Path]]) -> None:
@@ -74,7 +91,7 @@ def check_distinct(outputs: Mapping[str, Path], inputs: Mapping[str, Iterable[Pa
 
 
 def _same_file(first: Path, second: Path) -> bool:
-    if first.resolve() == second.resolve():
+    if os.path.realpath(first) == os.path.realpath(second):  # Path.resolve raises on a loop of links
         return True
     return first.exists() and second.exists() and os.path.samefile(first, second)  # a hard link
 

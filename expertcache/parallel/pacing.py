@@ -32,6 +32,7 @@ import torch
 
 from expertcache.parallel.collectives import PendingWork
 from expertcache.slot_pool import SlotPool
+from expertcache.validation import check_int
 
 #: Chunk size by default: 4 MiB pinned copies still reach ~40 GB/s on an H200 (DESIGN.md).
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -62,8 +63,7 @@ class CopyPacer:
     """
 
     def __init__(self, *, world_size: int, enabled: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        chunk_bytes = check_int("chunk_bytes", chunk_bytes, minimum=1)
         self.engaged = bool(enabled) and world_size > 1
         self.chunk_bytes = chunk_bytes
         self._in_flight: PendingWork | None = None

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from expertcache.validation import check_int
+
 SCHEMES = ("contiguous", "round_robin")
 
 
@@ -41,9 +43,7 @@ class ExpertPartition:
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "world_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
         if self.world_size > self.num_experts:
             raise ValueError(
                 f"world_size {self.world_size} exceeds num_experts {self.num_experts}: "

@@ -32,6 +32,7 @@ from expertcache.errors import CacheCapacityError
 from expertcache.layer_shares import check_layers, layer_share
 from expertcache.policies import EvictionPolicy, make_policy
 from expertcache.slot_table import SlotTable
+from expertcache.validation import check_int
 
 #: How `replay` serves a call of more distinct keys than its share (see the module docstring).
 OVERSIZE = ("passes", "overlapped", "raise")
@@ -111,17 +112,17 @@ def replay(
         `ReplayResult` with hits, misses, evictions.
 
     Raises:
-        ValueError: capacity not a positive int, an unknown ``oversize``, a
+        ValueError: capacity below 1, an unknown ``oversize``, a
             ``forward_starts`` entry that is not a non-negative int, a policy instance built for
-            another capacity, ``num_layers`` not a positive int (or above ``capacity``, or
+            another capacity, ``num_layers`` below 1 (or above ``capacity``, or
             without ``layer_of``), a call holding keys of several layers or a ``layer_of``
             outside ``[0, num_layers)`` (naming the call), ``overlap_max_ids`` not a positive
             int or given without ``oversize="overlapped"``, ``num_ids`` without it or not
-            one count per call; TypeError: a call that is not a sequence of hashable keys.
+            one count per call; TypeError: a call that is not a sequence of hashable keys, or a
+            ``capacity`` or ``num_layers`` that is not an integer (a bool, a float).
         CacheCapacityError: an oversize call with ``oversize="raise"``.
     """
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    capacity = check_int("capacity", capacity, minimum=1)
     if isinstance(policy, EvictionPolicy) and policy.capacity != capacity:
         raise ValueError(f"the policy instance was built for capacity {policy.capacity}, the replay has {capacity}")
     check_layers(num_layers, layer_of)

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from expertcache.validation import check_int
+
 if TYPE_CHECKING:
     from expertcache.integrations.transformers.graphed import GraphedGenerator
 
@@ -35,8 +37,7 @@ def check_request(runner: GraphedGenerator, input_ids, max_new_tokens, attention
     low, high = int(input_ids.min()), int(input_ids.max())  # one sync per request, before any work
     if low < 0 or high >= vocab:
         raise ValueError(f"token ids must be in [0, {vocab}) (the model's vocabulary), got {low}..{high}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
     if prompt + max_new_tokens > runner.max_length:
         raise ValueError(
             f"prompt ({prompt}) + max_new_tokens ({max_new_tokens}) exceeds max_length {runner.max_length}"

@@ -47,6 +47,7 @@ from expertcache.integrations.transformers.decode_setup import (
 )
 from expertcache.integrations.transformers.generation import GenerationRun
 from expertcache.integrations.transformers.graph_capture import capture, side_stream_step
+from expertcache.validation import check_int
 
 __all__ = ["GraphedGenerator", "bucket_sizes", "timed_generate"]
 
@@ -66,6 +67,7 @@ class GraphedGenerator:
     Raises:
         ValueError: graphs requested off CUDA, or with a host-mode expert cache or a routing
             recorder; with graphs, a sliding window shorter than ``max_length``; a size < 1.
+        TypeError: a size that is not an integer (numpy's are; a bool or a float is not).
     """
 
     def __init__(
@@ -77,11 +79,9 @@ class GraphedGenerator:
         graphs: bool | str = "auto",
         warmup_steps: int = 2,
     ) -> None:
-        for name, value in (("max_length", max_length), ("max_batch_size", max_batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be an int >= 1 (capture follows eager steps), got {warmup_steps!r}")
+        max_length = check_int("max_length", max_length, minimum=1)
+        max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1)
+        check_int("warmup_steps", warmup_steps, minimum=1)  # capture follows eager steps
         self.model = model
         self.max_length = max_length
         self.buckets = bucket_sizes(max_batch_size)
