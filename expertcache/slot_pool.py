@@ -43,6 +43,7 @@ from expertcache.result import Landing
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
 from expertcache.validation import (
+    MAX_SLOTS,
     check_flag,
     check_int,
     check_mode_device,
@@ -120,7 +121,7 @@ class SlotPool:
                 f"layout must be an ExpertLayout, got {given}; for a pool of experts shaped like a "
                 "{name: [E, ...]} dict of weights use SlotPool.for_weights(weights, num_slots)"
             )
-        num_slots = check_int("num_slots", num_slots, minimum=1)
+        num_slots = check_int("num_slots", num_slots, minimum=1, maximum=MAX_SLOTS)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mover not in (None, *MOVERS):

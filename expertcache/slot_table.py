@@ -16,7 +16,7 @@ from expertcache.errors import CacheCapacityError
 from expertcache.layer_shares import LayerFloor, check_layers, layer_share
 from expertcache.passes import group_passes
 from expertcache.policies import EvictionPolicy, Key, claim_policy
-from expertcache.validation import check_int
+from expertcache.validation import MAX_SLOTS, check_int
 
 
 class SlotTable:
@@ -41,7 +41,7 @@ class SlotTable:
         num_layers: int = 1,
         layer_of: Callable[[Key], int] | None = None,
     ) -> None:
-        num_slots = check_int("num_slots", num_slots, minimum=1)
+        num_slots = check_int("num_slots", num_slots, minimum=1, maximum=MAX_SLOTS)
         check_layers(num_layers, layer_of)
         self.num_slots = num_slots
         #: slots one call may hold, and that every layer keeps (`expertcache.layer_shares`)

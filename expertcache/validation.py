@@ -8,6 +8,8 @@ import operator
 import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: The most slots a pool can have: slot ids are int32 in the tables and kernels.
+MAX_SLOTS = 2**31 - 1
 
 
 def resolve_device(device: str | int | torch.device | None) -> torch.device:
@@ -68,19 +70,23 @@ def check_overlap(overlap: object) -> bool:
     return check_flag("overlap", overlap)
 
 
-def check_int(name: str, value: object, *, minimum: int | None = None, expected: str = "an int") -> int:
+def check_int(
+    name: str, value: object, *, minimum: int | None = None, maximum: int | None = None, expected: str = "an int"
+) -> int:
     """``value`` as a Python int: any integer (``int``, ``np.int64``, any `numbers.Integral`),
     never a bool (``True`` is not a count) and never a float, even a whole one.
 
     Raises:
         TypeError: ``value`` is not an integer (the message says ``name`` must be ``expected``).
-        ValueError: ``value`` is below ``minimum``.
+        ValueError: ``value`` is below ``minimum`` or above ``maximum``.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r:.40}")
     number = operator.index(value)
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be <= {maximum:,}, got {number:,}")
     return number
 
 

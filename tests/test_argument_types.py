@@ -129,6 +129,12 @@ def test_slot_counts_below_one_are_value_errors(weights, count):
         CachedWeightProvider(weights, cache_size=count, device="cpu")
 
 
+@pytest.mark.parametrize("count", [2**31, np.int64(2**62), 10**30])
+def test_slot_counts_past_int32_slot_ids_are_value_errors(weights, count):
+    with pytest.raises(ValueError, match="num_slots must be <= 2,147,483,647"):
+        SlotPool.for_weights(weights, count, device="cpu")
+
+
 def test_a_numpy_cache_size_above_the_experts_is_a_value_error(weights):
     with pytest.raises(ValueError, match=f"number of local experts \\({NUM_EXPERTS}\\), got 7"):
         CachedWeightProvider(weights, cache_size=np.int64(7), device="cpu")
