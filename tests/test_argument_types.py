@@ -234,3 +234,12 @@ def test_a_config_takes_numpy_counts_as_ints_and_refuses_a_negative_budget():
         ExpertCacheConfig(cache_size=4, pin_budget_bytes=np.int64(-1))
     with pytest.raises(TypeError, match="cache_size must be an int"):
         ExpertCacheConfig(cache_size=np.float64(4.0))
+
+
+def test_the_integrations_pin_budget_check_calls_a_negative_budget_a_bad_value():
+    from expertcache.integrations.transformers.serving import check_pin_budget
+
+    with pytest.raises(ValueError, match=r"pin_budget_bytes must be >= 0") as caught:
+        check_pin_budget([], [], -1)
+    assert not isinstance(caught.value, PinBudgetError)  # it said the budget was exceeded
+    check_pin_budget([], [], np.int64(0))  # nothing to pin fits any budget

@@ -20,6 +20,7 @@ from expertcache.errors import PinBudgetError
 from expertcache.integrations.transformers.discovery import ExpertBlock
 from expertcache.layout import ExpertLayout, layout_from_weights
 from expertcache.slot_pool import SlotPool
+from expertcache.validation import check_pin_budget_bytes
 
 
 @dataclass
@@ -65,7 +66,9 @@ def block_layout(block: ExpertBlock) -> ExpertLayout:
 
 
 def check_pin_budget(blocks: list[ExpertBlock], layouts: list[ExpertLayout], budget: int | None) -> None:
-    """Raise `PinBudgetError` when the stores of all blocks together would exceed ``budget``."""
+    """Raise `PinBudgetError` when the stores of all blocks together would exceed ``budget``
+    (a ValueError for a budget that is not None or an int >= 0, `check_pin_budget_bytes`)."""
+    budget = check_pin_budget_bytes(budget)
     needed = sum(layout.buffer_bytes(block.num_experts) for block, layout in zip(blocks, layouts, strict=True))
     if budget is not None and needed > budget:
         raise PinBudgetError(needed, budget)
