@@ -615,15 +615,23 @@ def profile_decode(bench: Bench, variant: Variant, batch: int, args) -> None:
     routing = torch.from_numpy(batch_routing(bench.trace, batch, args.warmup + replays)).to(bench.device)
     hidden = torch.randn(batch, bench.shape["hidden"], device=bench.device, dtype=bench.shape["dtype"])
     stack = make_stack(bench, variant)
-    step = GraphedDecodeStep(stack, hidden, routing[:1]) if variant.graph else stack.step
+    guesses = None if variant.right is None else oracle_guesses(routing, variant.right, bench.shape["experts"])
+    extra = (lambda index: ()) if guesses is None else (lambda index: (guesses[index],))
+    if variant.graph:
+        step = GraphedDecodeStep(stack, hidden, routing[:1], None if guesses is None else guesses[:1])
+    else:
+        step = stack.step
     for index in range(args.warmup):
-        step(hidden, routing[index])
+        step(hidden, routing[index], *extra(index))
     sync(bench.device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for index in range(args.warmup, args.warmup + replays):
-            step(hidden, routing[index])
+            step(hidden, routing[index], *extra(index))
         sync(bench.device)
-    path = Path(tempfile.mkdtemp()) / "trace.json"
+    folder = Path(args.profile_dir) if args.profile_dir else Path(tempfile.mkdtemp())
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"trace_{variant.name}_{variant.cache}_B{batch}".replace(" ", "_").replace("/", "of").replace("%", "pct")
+    path = folder / f"{name}.json"
     prof.export_chrome_trace(str(path))
     kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy")]
     if not kernels:
@@ -735,6 +743,9 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="profile one more forward (prefill) or a few replays at the first batch size (decode)",
     )
+    parser.add_argument("--profile-dir", default=None, metavar="DIR",
+                        help="with --profile: keep the decode profiles' Chrome traces here (default: a "
+                             "temporary folder)")  # fmt: skip
     parser.add_argument("--prefetch", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode with oracle prefetches at these fractions (none given: none)")  # fmt: skip
     parser.add_argument("--coded", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
@@ -786,6 +797,8 @@ def parse_args() -> argparse.Namespace:
     changed = {name for name, value in vars(args).items() if value != defaults[name]}
     if args.replot and changed - {"replot", "fractions"}:
         parser.error("--replot draws the CSV's rows: it takes only --fractions")
+    if args.profile_dir and (not args.profile or args.prefill):
+        parser.error("--profile-dir keeps the decode profiles' traces: it needs --profile, in decode mode")
     if args.only and args.prefill:
         parser.error("--only picks decode variants; a prefill run has its own fixed set")
 
