@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from expertcache.compression import COMPRESSIONS
+from expertcache.file_writes import write_files
 
 if TYPE_CHECKING:
     from expertcache.cached_provider import CachedWeightProvider
@@ -103,8 +104,9 @@ class Manifest:
         return json.dumps(self.to_dict(), indent=2)
 
     def write(self, path: str | Path) -> None:
-        """Write the manifest as JSON to ``path``."""
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+        """Write the manifest as JSON to ``path``, whole (`expertcache.file_writes`: a failed
+        write leaves the file as it was)."""
+        write_files({Path(path): (self.to_json() + "\n").encode("utf-8")})
 
     @classmethod
     def read(cls, path: str | Path) -> Manifest:

@@ -19,8 +19,7 @@ import pytest
 from test_cli_errors import _check_one_line
 from test_plan import _trace
 
-from expertcache.cli import describe_error, main
-from expertcache.commands.files import write_whole
+from expertcache.cli import main
 from expertcache.manifest import Manifest
 from expertcache.trace import RoutingTrace, load_trace
 from expertcache.trace.errors import TraceFileError
@@ -152,11 +151,30 @@ def test_a_read_only_folder_or_file_is_refused(inputs, capsys):
     assert (inputs / "kept.csv").read_text() == "keep" and not any((inputs / "locked").iterdir())
 
 
-def test_a_write_that_fails_names_the_file():
-    """``/dev/full`` opens, then refuses the bytes: an OSError without a file name, made one."""
-    with pytest.raises(OSError) as error:
-        write_whole(Path("/dev/full"), b"x" * 100_000)
-    assert describe_error(error.value) == "/dev/full: No space left on device"
+@pytest.mark.skipif(sys.platform != "linux", reason="a file-size limit (RLIMIT_FSIZE) as on Linux")
+def test_a_plot_the_disk_refuses_leaves_the_old_csv(inputs, tmp_path_factory):
+    """The CSV fits under a file-size limit, the PNG does not (as on a disk that fills up
+    between them): exit 2, one line naming the PNG, and both files as they were."""
+    (inputs / "old.csv").write_text("old csv")
+    argv = [*_PLAN, "--trace", str(inputs / "trace.npz"), "--csv", str(inputs / "old.csv"),
+            "--plot", str(inputs / "new.png")]  # fmt: skip
+    limited = (
+        "import resource, signal, sys\n"
+        "import matplotlib.font_manager\n"  # its font cache is written first, under no limit
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))\n"
+        "from expertcache.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    environment = {
+        **os.environ,
+        "MPLCONFIGDIR": str(tmp_path_factory.mktemp("mpl")),
+    }  # matplotlib's cache: not our write
+    done = subprocess.run([sys.executable, "-c", limited, *argv], capture_output=True, text=True, env=environment)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"expertcache plan: error: {inputs / 'new.png'}: File too large"
+    assert (inputs / "old.csv").read_text() == "old csv" and not (inputs / "new.png").exists()
+    assert sorted(path.name for path in inputs.iterdir()) == sorted([*_NAMES, "old.csv"])  # no scratch left
 
 
 def test_a_plot_that_fails_leaves_no_csv(inputs, capsys, monkeypatch):

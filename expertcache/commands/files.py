@@ -2,8 +2,9 @@
 
 A command checks every output path before it reads a trace or loads a model
 (`check_output_path`), refuses an output that names one of its inputs or another output
-(`check_distinct`), renders what it writes in memory and writes each file at the end
-(`write_whole`), so a failure leaves no half-written file and names the file.
+(`check_distinct`), renders what it writes in memory and writes the files at the end, each
+to a scratch file first (`expertcache.file_writes.write_files`), so a failure changes no
+output and names the file.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+from expertcache.file_writes import write_files
 
 
 def named_path(text: str, what: str = "a file") -> Path:
@@ -97,13 +100,10 @@ def _same_file(first: Path, second: Path) -> bool:
 
 
 def write_whole(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path``.
+    """Write ``data`` to ``path`` whole (`expertcache.file_writes.write_files`).
 
     Raises:
-        OSError: naming ``path`` (a full disk fails at the write, whose error has no file name).
+        OSError: naming ``path`` (a full disk fails at the write, whose error has no file name);
+            ``path`` is as it was.
     """
-    try:
-        with open(path, "wb") as file:
-            file.write(data)
-    except OSError as error:
-        raise OSError(error.errno, error.strerror, str(path)) from None
+    write_files({path: data})

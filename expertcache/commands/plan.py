@@ -41,8 +41,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from expertcache.commands.arguments import MAX_COUNT, input_path, output_file, positive_number, whole_number
-from expertcache.commands.files import check_distinct, write_whole
+from expertcache.commands.files import check_distinct
 from expertcache.config import COMPRESSION_CHOICES
+from expertcache.file_writes import write_files
 from expertcache.manifest import MAX_EXPERT_BYTES
 from expertcache.passes import OVERLAP_MAX_IDS
 from expertcache.planner import RUNTIME_POLICIES, Plan, PlanRow, check_policies
@@ -157,9 +158,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"bytes per miss {copy_bytes:,} ({copy_bytes / expert_bytes:.3f} of the expert bytes, {copy_source})")
     print(format_table(result, policies))
     print(recommendation(result, trace.num_experts, args.layers or trace.num_layers))
-    files = {path: _render(flag, result, trace.model or args.trace.name) for flag, path in outputs.items()}
-    for path, data in files.items():  # rendered first: a plot that fails leaves no CSV behind
-        write_whole(path, data)
+    # rendered first, then written together: a plot or a write that fails leaves no CSV behind
+    write_files({path: _render(flag, result, trace.model or args.trace.name) for flag, path in outputs.items()})
     if args.plot:
         print(f"plot: {args.plot}")
     return 0

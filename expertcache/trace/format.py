@@ -17,8 +17,8 @@ reads any file ``save`` wrote, whatever its name, and checks everything it reads
 
 from __future__ import annotations
 
+import io
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from expertcache.file_writes import write_files
 from expertcache.trace.arrays import (
     MAX_EXPERTS,
     expert_id_array,
@@ -158,21 +159,16 @@ class RoutingTrace:
             raise ValueError(f"{target}: the folder {target.parent} does not exist")
         meta = {"format_version": FORMAT_VERSION, "num_experts": self.num_experts}
         meta.update({name: getattr(self, name) for name in _TEXT_FIELDS})
-        scratch = target.with_name(f".{target.name}.{os.getpid()}.partial")  # same folder: replace is atomic
-        try:
-            with open(scratch, "wb") as file:  # created as any file is (umask), unlike mkstemp's 0600
-                np.savez_compressed(
-                    file,
-                    expert_ids=self.expert_ids,
-                    forward_starts=self.forward_starts,
-                    request_starts=self.request_starts,
-                    layers=np.asarray(self.layers),
-                    meta=np.array(json.dumps(meta)),
-                )
-            os.replace(scratch, target)
-        except BaseException:
-            scratch.unlink(missing_ok=True)
-            raise
+        archive = io.BytesIO()
+        np.savez_compressed(
+            archive,
+            expert_ids=self.expert_ids,
+            forward_starts=self.forward_starts,
+            request_starts=self.request_starts,
+            layers=np.asarray(self.layers),
+            meta=np.array(json.dumps(meta)),
+        )
+        write_files({target: archive.getvalue()})
         return target
 
     @classmethod
