@@ -20,11 +20,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# expertcache.kernels lives in kernels/: install the package (editable), else lay it out by hand.
+# install the package (editable, for the expertcache command), else import it from the tree
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
-  mkdir -p /tmp/src && rm -rf /tmp/src/expertcache && cp -r expertcache /tmp/src/ && cp -r kernels /tmp/src/expertcache/kernels
-  export PYTHONPATH=/tmp/src:$PYTHONPATH
-  echo "editable install failed (see install.log); using /tmp/src"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  echo "editable install failed (see install.log); importing from $PWD"
 fi
 export EXPERTCACHE_COMMIT=${EXPERTCACHE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 steps=${*:-suite prepare decode}

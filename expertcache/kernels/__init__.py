@@ -1,4 +1,4 @@
-"""Triton kernels of expertcache, installed as ``expertcache.kernels``.
+"""Triton kernels of expertcache (``expertcache.kernels``).
 
 Each kernel comes as a trio: a private ``@triton.jit`` kernel, a public launcher that
 validates its inputs and picks the grid, and a pure-torch reference named ``*_torch``:

@@ -131,7 +131,7 @@ def moe_apply_passes(
         raise ValueError(f"kernel must be 'auto', 'gemv' or 'grouped', got {kernel!r}")
     pairs = topk_weights.numel() if isinstance(topk_weights, torch.Tensor) else 0  # [T, K]: checked first
     chosen: list[bool] = []  # grouped or not: decided at the first pass, kept for the call
-    done: list[torch.Tensor] = []  # landed GEMV passes: gate_up tiles stored per pair (kernels/landing.py)
+    done: list[torch.Tensor] = []  # landed GEMV passes: gate_up tiles stored per pair (landing.py)
 
     def launch_of(result: ExpertWeightResult) -> PassLaunch:
         w1, w2 = result.w1, result.w2
