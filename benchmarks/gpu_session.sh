@@ -63,7 +63,8 @@ for step in $steps; do
     pytest)  # chosen test files ($TESTS) over SUITE_WORKERS pytest-xdist workers: a change's GPU check
       timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -n ${SUITE_WORKERS:-8} ${TESTS:-tests} 2>&1 \
         | tee "$OUT/pytest.log" | tail -20 ;;
-    batch) timeout ${BATCH_TIMEOUT:-420} python3 benchmarks/bench_batch.py ${BATCH_ARGS:-} 2>&1 | tee "$OUT/bench_batch.log" ;;
+    batch)  # BATCH_ARGS is read as shell words: quote what holds spaces (--only "device 25%")
+      eval "timeout ${BATCH_TIMEOUT:-420} python3 benchmarks/bench_batch.py ${BATCH_ARGS:-}" 2>&1 | tee "$OUT/bench_batch.log" ;;
     prefill) timeout ${PREFILL_TIMEOUT:-300} python3 benchmarks/bench_batch.py ${PREFILL_ARGS:---prefill 1024 4096} 2>&1 | tee "$OUT/bench_prefill.log" ;;
     compression) timeout ${COMPRESSION_TIMEOUT:-240} python3 benchmarks/bench_compression.py ${COMPRESSION_ARGS:-} 2>&1 | tee "$OUT/bench_compression.log" ;;
     decode-compressed) timeout ${DECODE_COMPRESSED_TIMEOUT:-240} python3 benchmarks/bench_decode.py --compression exponent ${DECODE_COMPRESSED_ARGS:-} 2>&1 | tee "$OUT/bench_decode_compressed.log" ;;
