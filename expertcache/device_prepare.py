@@ -72,7 +72,7 @@ import dataclasses
 import itertools
 import weakref
 from collections.abc import Generator, Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -298,7 +298,7 @@ def _enqueue_pass(
     landed = None if target is None else torch.empty(pool.num_slots, dtype=torch.int32, device=pool.device)
     named = dict(pool.tensors)
     passes = pass_of if pass_of.numel() else None
-    where = dict(num_global=layer.num_global, key_offset=layer.key_offset)
+    where: dict[str, Any] = dict(num_global=layer.num_global, key_offset=layer.key_offset)
     with pool.guard, on_device(pool.device), deferred_interrupts():
         pool.copies_pending = copy_stream is not None  # from here on, the generator's end joins
         with _on_stream(copy_stream), _undone_on_error(pool, pool.tables, named, None):
@@ -330,7 +330,7 @@ def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None
     copy_stream = pool.copy_stream()
     tables = dataclasses.replace(pool.tables, counters=pool.tables.prefetched)
     named = dict(pool.tensors)
-    where = dict(num_global=layer.num_global, key_offset=layer.key_offset)
+    where: dict[str, Any] = dict(num_global=layer.num_global, key_offset=layer.key_offset)
     with pool.guard, on_device(pool.device), deferred_interrupts():
         pool.calls_begun += 1
         join_copies(pool)  # an earlier prefetch's admission lands before this one's snapshot
@@ -373,7 +373,7 @@ def _admit_and_move(
     one sync) by the copy engine. Returns the slot ids, ``topk_ids``' shape, int32."""
     out = torch.empty_like(topk_ids)
     passes = pass_of if pass_of.numel() else None
-    where = dict(num_global=layer.num_global, key_offset=layer.key_offset)
+    where: dict[str, Any] = dict(num_global=layer.num_global, key_offset=layer.key_offset)
     with pool.guard, on_device(pool.device), deferred_interrupts():
         pool.calls_begun += 1  # an overlapped call suspended between its passes now refuses to go on
         join_copies(pool)

@@ -130,13 +130,13 @@ def copy_groups(store: CPUBackingStore, device: torch.device | None = None) -> t
     for names in by_code.values():
         for start in range(0, len(names), MAX_DECODED):
             chunk = tuple(names[start : start + MAX_DECODED])
-            segments = build_decode_segments(
+            coded = build_decode_segments(
                 tuple(offsets[name] for name in chunk), tuple(store.formats[name] for name in chunk)
             )
             programs = default_programs(target)
             with torch.inference_mode(False):
-                scratch = torch.empty(scratch_bytes(segments, programs), dtype=torch.uint8, device=target)
-            groups.append(DecodeGroup(chunk, segments, scratch, programs))
+                scratch = torch.empty(scratch_bytes(coded, programs), dtype=torch.uint8, device=target)
+            groups.append(DecodeGroup(chunk, coded, scratch, programs))
     return tuple(groups)
 
 

@@ -219,7 +219,7 @@ def _victims(
     take: a slot of another layer holding no more than ``share`` only once no other is left."""
     owner = [-1 if key < 0 or key_layer is None else key_layer[key] for key in slot_to_key]
     held = [owner.count(index) for index in range(max(owner, default=-1) + 1)]
-    left, chosen = [slot for _, slot in order], []
+    left, chosen = [slot for _, slot in order], list[int]()
     while len(chosen) < count and left:
         allowed = [s for s in left if owner[s] in (-1, layer) or held[owner[s]] > share]
         victim = (allowed or left)[0]

@@ -197,7 +197,7 @@ def _admit_small_kernel(
             slot = tl.where(was_missed, -1, slot)
         tl.store(out_ptr + positions, tl.where(is_local, slot, -1).to(out_ptr.dtype.element_ty), mask=in_bounds)
         tl.store(plan_ptr, num_misses)
-        tl.store(clock_ptr, base + num_unique.to(tl.int64))
+        tl.store(clock_ptr, base + num_unique.to(tl.int64))  # type: ignore[attr-defined]  # a tensor in the kernel
         calls = tl.where(pass_index == 0, 1, 0)
         add_counts(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, calls, num_invalid, 0)
     else:
@@ -302,7 +302,7 @@ def _admit_kernel(
 
     if fits:
         tl.store(plan_ptr, num_misses)
-        tl.store(clock_ptr, base + num_unique.to(tl.int64))
+        tl.store(clock_ptr, base + num_unique.to(tl.int64))  # type: ignore[attr-defined]  # a tensor in the kernel
         calls = tl.where(pass_index == 0, 1, 0)
         add_counts(counters_ptr, layer, num_unique - num_misses, num_misses, num_evictions, calls, num_invalid, 0)
     else:

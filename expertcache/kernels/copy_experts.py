@@ -127,10 +127,11 @@ MAX_TENSORS = 8
 
 
 class CopyPlan(NamedTuple):
-    """Copies on the device: ``count[0]`` of them; copy r takes store row ``experts[stride * r]``
-    into slot ``slots[stride * r]`` (int32 or int64 tensors, read without a host sync)."""
+    """Copies on the device: ``num_copies[0]`` of them; copy r takes store row
+    ``experts[stride * r]`` into slot ``slots[stride * r]`` (int32 or int64 tensors, read
+    without a host sync)."""
 
-    count: torch.Tensor
+    num_copies: torch.Tensor
     experts: torch.Tensor
     slots: torch.Tensor
     stride: int
@@ -188,7 +189,7 @@ def copy_experts_torch(
     """Reference of `copy_experts`: for every planned copy, each name's expert words into its
     slot (and its chunk count added to ``landed[slot]``)."""
     source_words = source.view(_WORD[unit])
-    count = int(plan.count.reshape(-1)[0])
+    count = int(plan.num_copies.reshape(-1)[0])
     experts = plan.experts[: plan.stride * count : plan.stride].tolist()
     slot_ids = plan.slots[: plan.stride * count : plan.stride].tolist()
     for expert, slot in zip(experts, slot_ids, strict=True):
@@ -249,10 +250,10 @@ def copy_experts(
     pad = MAX_TENSORS - len(slots)
     destinations = [t.reshape(-1).view(word) for t in slots] + [slots[0].reshape(-1).view(word)] * pad
     _copy_experts_kernel[(num_programs,)](
-        source_arg, *destinations, plan.count, plan.experts, plan.slots, plan.stride,
+        source_arg, *destinations, plan.num_copies, plan.experts, plan.slots, plan.stride,
         *segments.offsets, *(0,) * pad, *segments.words, *(0,) * pad, *segments.first_chunks[1:], *(0,) * pad,
         num_experts, slots[0].shape[0], segments.chunks_per_expert,
-        landed if landed is not None else plan.count,
+        landed if landed is not None else plan.num_copies,
         BLOCK=segments.block, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=len(slots), ALIGN=segments.align,
         SIGNAL=landed is not None, num_warps=warps_for(segments.block), **chained(slots[0].device),
     )  # fmt: skip

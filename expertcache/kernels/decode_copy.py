@@ -207,7 +207,7 @@ def decode_copy_torch(
 ) -> None:
     """Reference of `decode_copy`: each planned expert's records decoded (in torch) into its slot."""
     num_slots = slots[0].shape[0]
-    count = min(int(plan.count.reshape(-1)[0]), num_slots)
+    count = min(int(plan.num_copies.reshape(-1)[0]), num_slots)
     experts = plan.experts[: plan.stride * count : plan.stride].tolist()
     slot_ids = plan.slots[: plan.stride * count : plan.stride].tolist()
     for expert, slot in zip(experts, slot_ids, strict=True):
@@ -274,7 +274,7 @@ def decode_copy(
     formats = segments.formats
     destinations = [t.view(torch.int16) for t in slots] + [slots[0].view(torch.int16)] * pad
     _decode_copy_kernel[(num_programs,)](
-        source_arg, scratch, *destinations, plan.count, plan.experts, plan.slots, plan.stride,
+        source_arg, scratch, *destinations, plan.num_copies, plan.experts, plan.slots, plan.stride,
         *segments.offsets, *(0,) * pad, *(f.record_bytes for f in formats), *(0,) * pad,
         *(f.values for f in formats), *(0,) * pad, *(f.capacity for f in formats), *(0,) * pad,
         *(f.spill_bytes for f in formats), *(0,) * pad, *segments.first_chunks[1:], *(0,) * pad,

@@ -184,13 +184,16 @@ def moe_apply_grouped(
         topk_ids.numel(), w2.shape[1], w2.shape[2], w1.dtype in _TENSOR_CORE_DTYPES
     )
     given = (block_m, block_n, block_k)
-    blocks = tuple(default if size is None else size for size, default in zip(given, defaults, strict=True))
-    for name, size in zip(("block_m", "block_n", "block_k"), blocks, strict=True):
+    block_m, block_n, block_k = (
+        default if size is None else size for size, default in zip(given, defaults, strict=True)
+    )
+    for name, size in zip(("block_m", "block_n", "block_k"), (block_m, block_n, block_k), strict=True):
         if not isinstance(size, int) or size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two of at least 16 (tl.dot's smallest tile), got {size!r}")
     # Eagerly the implementation runs directly (the dispatcher costs ~10 us a call).
     run = torch.ops.expertcache.moe_apply_grouped if torch.compiler.is_compiling() else _moe_apply_grouped
-    out, invalid = run(hidden, w1, w2, topk_weights, topk_ids, fp32_out, *blocks, num_warps, num_stages)
+    tiles = (block_m, block_n, block_k, num_warps, num_stages)
+    out, invalid = run(hidden, w1, w2, topk_weights, topk_ids, fp32_out, *tiles)
     if invalid_ids is not None:
         invalid_ids.add_(invalid)
     return out
