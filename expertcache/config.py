@@ -152,6 +152,8 @@ def _device_name(device: object) -> str:
     except (RuntimeError, ValueError, TypeError):
         raise ValueError(f"not a device: {device!r} (expected 'cpu', 'cuda' or 'cuda:N')") from None
     if parsed.type == "cpu":
+        if parsed.index not in (None, 0):  # as resolve_device: "cpu:1" would quietly mean the one CPU
+            raise ValueError(f"device {device!r}: there is one CPU device ('cpu' or 'cpu:0')")
         return "cpu"
     if parsed.type != "cuda":
         raise ValueError(f"unsupported device {device!r}; the expert cache serves CUDA devices or the CPU")

@@ -44,6 +44,7 @@ from expertcache.trace import RoutingRecorder, RoutingTrace
         ({"device": "tpu"}, ValueError, "not a device: 'tpu'"),
         ({"device": "meta"}, ValueError, "unsupported device 'meta'"),
         ({"device": 0}, TypeError, "device must be a str"),
+        ({"device": "cpu:1"}, ValueError, "there is one CPU device"),  # was quietly "cpu"
     ],
 )
 def test_config_refuses_at_construction(fields, error, message):

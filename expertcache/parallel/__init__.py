@@ -7,6 +7,9 @@
   single-process reference does.
 * `CopyPacer` optionally holds expert copies back while a collective is in flight.
 * `gather_stats` and `gather_manifests` collect every rank's counters and holdings.
+
+Bad input raises before any cache or collective acts (`inputs`: one rank's checks;
+`agreement`: the all-reduce that makes every rank raise alike), so nothing changes.
 """
 
 from expertcache.parallel.layer import ExpertParallelMoE

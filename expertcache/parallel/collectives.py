@@ -34,13 +34,6 @@ def rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def max_over_ranks(value: int, *, device: torch.device, group: dist.ProcessGroup | None) -> int:
-    """The largest ``value`` over all ranks (one all-reduce and one host read)."""
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return int(tensor.item())
-
-
 def gather_rows(
     tensor: torch.Tensor,
     rows: int,

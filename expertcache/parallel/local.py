@@ -15,8 +15,10 @@ cache (the provider maps them to -1).
 Two cases the provider alone does not take:
 
 * ``-1`` ids (padding rows, dropped tokens) skip, as in `moe_forward`: they are replaced by
-  an id the call already uses before ``prepare`` (so they add no lookup) and set back to -1
-  afterwards, all on the device.
+  the call's largest id before ``prepare`` (an id the call uses anyway, so they add no
+  lookup and load nothing) and set back to -1 afterwards. A call whose ids are all -1 (or
+  that has none) has nothing to compute: it is served as an empty call (counted in
+  ``stats.calls``, nothing looked up, copied or evicted) and returns zeros.
 * More distinct local experts than slots (a prefill): the call runs in expert-group passes
   (`expertcache.passes`, the strategy of every runtime path and of the simulator). Each
   expert still meets the same rows in the same order, so the result is unchanged.
@@ -24,33 +26,46 @@ Two cases the provider alone does not take:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from expertcache.cached_provider import CachedWeightProvider
 from expertcache.parallel.collectives import PendingWork
+from expertcache.parallel.inputs import (
+    check_activation,
+    check_full_weights,
+    check_hidden,
+    check_partition,
+    computed_layout,
+)
 from expertcache.parallel.partition import ExpertPartition
 from expertcache.policies import EvictionPolicy
 from expertcache.reference import expert_outputs
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
+from expertcache.validation import check_topk_ids
 
 
 class LocalExperts:
     """The experts one rank owns, served through its own slot cache.
 
     Args:
-        weights: ``{name: [E_local, *shape]}``: this rank's experts in the order of
-            ``partition.local_experts(rank)`` (see `CachedWeightProvider` for the names),
-            or a `CPUBackingStore` of them, to share one pinned copy between caches.
+        weights: ``{"w1": [E_local, 2I, H], "w2": [E_local, H, I]}``: this rank's experts in
+            the order of ``partition.local_experts(rank)``, one of float16, bfloat16, float32
+            or float64 (the pure-torch reference computes in it), or a `CPUBackingStore` of
+            them, to share one pinned copy between caches. Other names (scales, biases) are
+            refused: the reference would ignore them.
         partition: placement of the layer's experts on the ranks.
-        rank: this rank.
+        rank: this rank, an int in ``[0, partition.world_size)``.
         cache_size: GPU slots for this rank's experts, ``1 <= cache_size <= E_local``.
         device: where slots and compute live (default: current CUDA device, else CPU).
         policy: eviction policy name or instance.
         activation: ``"silu"`` or ``"gelu"``.
         pin_budget_bytes: passed to the provider's backing store.
+
+    Raises:
+        TypeError / ValueError: any argument above that does not fit, before anything is built.
     """
 
     def __init__(
@@ -65,24 +80,40 @@ class LocalExperts:
         activation: str = "silu",
         pin_budget_bytes: int | None = None,
     ) -> None:
-        self.partition = partition
-        self.rank = rank
-        self.global_ids = partition.local_experts(rank)
-        self.activation = activation
+        self.partition = check_partition(partition)
+        self.rank = partition.check_rank(rank)
+        self.activation = check_activation(activation)
+        num_local, layout = computed_layout(weights)
+        self.global_ids = partition.local_experts(self.rank)
+        if num_local != len(self.global_ids):
+            raise ValueError(
+                f"weights hold {num_local} experts, but rank {self.rank} owns {len(self.global_ids)} under "
+                f"{partition} (LocalExperts.from_full_weights picks them from all {partition.num_experts})"
+            )
         self.provider = CachedWeightProvider(
             weights,
             cache_size=cache_size,
             device=device,
             policy=policy,
-            expert_map=partition.expert_map(rank),
+            expert_map=partition.expert_map(self.rank),
             pin_budget_bytes=pin_budget_bytes,
         )
+        w1, w2 = (spec for spec in layout.specs if spec.name in ("w1", "w2"))
+        self.hidden_size: int = w2.shape[0]
+        self.dtype: torch.dtype = w1.dtype
 
     @classmethod
     def from_full_weights(
         cls, weights: Mapping[str, torch.Tensor], partition: ExpertPartition, rank: int, **kwargs
     ) -> LocalExperts:
-        """Build from ``{name: [E, *shape]}`` holding every expert; keeps only ``rank``'s."""
+        """Build from ``{name: [E, *shape]}`` holding every expert (``E`` =
+        ``partition.num_experts``); keeps only ``rank``'s.
+
+        Raises:
+            TypeError / ValueError: as the constructor, and a tensor whose first dimension is
+                not ``partition.num_experts``.
+        """
+        check_full_weights(weights, check_partition(partition).num_experts)
         index = torch.tensor(partition.local_experts(rank), dtype=torch.int64)
         local = {name: tensor[index.to(tensor.device)] for name, tensor in weights.items()}
         return cls(local, partition, rank, **kwargs)
@@ -104,6 +135,11 @@ class LocalExperts:
 
     # -- the call --------------------------------------------------------------------------
 
+    def check_call(self, hidden: object, topk_ids: object) -> None:
+        """Raise as `outputs` would for these inputs' metadata, reading no tensor data."""
+        ids = check_topk_ids(topk_ids, self.device)
+        check_hidden(hidden, tokens=ids.shape[0], hidden_size=self.hidden_size, dtype=self.dtype, device=self.device)
+
     def outputs(
         self,
         hidden: torch.Tensor,
@@ -114,7 +150,7 @@ class LocalExperts:
         """Unweighted outputs of every (token, choice) this rank's experts serve.
 
         Args:
-            hidden: ``[N, H]`` tokens on the cache's device.
+            hidden: ``[N, H]`` tokens on the cache's device, in the weights' dtype.
             topk_ids: ``[N, K]`` int32/int64 global expert ids in ``[-1, E)``; -1 = skip.
             pending: a collective that is still writing ``hidden``; waited for after the
                 first ``prepare`` (so expert copies overlap it) and before any compute.
@@ -124,25 +160,59 @@ class LocalExperts:
             this rank's experts, exact zeros elsewhere. Bit-identical to `expert_outputs`
             on the full weights for those entries whenever the device's matmul is
             deterministic for identical inputs.
+
+        Raises:
+            TypeError / ValueError: ``hidden`` or ``topk_ids`` of the wrong type, shape,
+                dtype or device (``hidden``'s rows must equal ``topk_ids``' rows).
+            IndexError: an id outside ``[-1, E)``.
+            All of them before the cache changes (one host read of the ids' range).
         """
-        call_ids = _fill_skips(topk_ids)
+        self.check_call(hidden, topk_ids)
+        call_ids = self._fill_skips(topk_ids)
+        if call_ids.numel() == 0:  # nothing to compute: an empty call, counted like any other
+            for _ in self.provider.passes(call_ids):
+                pass
+            _wait(pending)
+            return hidden.new_zeros(*topk_ids.shape, self.hidden_size)
         out = None
-        for result in self.provider.passes(call_ids):
-            _wait(pending)  # after the first pass's copies are enqueued, before any compute
-            pending = None
-            slot_ids = torch.where(topk_ids == -1, -1, result.topk_ids)
-            part = expert_outputs(hidden, result.w1, result.w2, slot_ids, activation=self.activation)
-            out = part if out is None else torch.where((slot_ids >= 0).unsqueeze(-1), part, out)
+        results = self.provider.passes(call_ids)
+        try:
+            for result in results:
+                _wait(pending)  # after the first pass's copies are enqueued, before any compute
+                pending = None
+                slot_ids = torch.where(topk_ids == -1, -1, result.topk_ids)
+                part = expert_outputs(hidden, result.w1, result.w2, slot_ids, activation=self.activation)
+                out = part if out is None else torch.where((slot_ids >= 0).unsqueeze(-1), part, out)
+        finally:
+            _close(results)  # an error in the loop ends the provider's call at once, not when collected
         assert out is not None  # a provider yields at least one pass
         return out
 
+    def _fill_skips(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``topk_ids`` with each -1 replaced by the call's largest id, which the call uses
+        anyway; ``[0, K]`` when there is nothing to compute (every id -1, or none), so the
+        provider serves an empty call and loads nothing.
 
-def _fill_skips(topk_ids: torch.Tensor) -> torch.Tensor:
-    # -1 entries take the call's largest id, which the call uses anyway (or 0 when every
-    # entry is -1: a call with nothing to compute then looks up one expert). Other ids
-    # outside the layer stay, for the provider to judge.
-    fill = topk_ids.max().clamp(min=0) if topk_ids.numel() else topk_ids.new_zeros(())
-    return torch.where(topk_ids == -1, fill, topk_ids)
+        Raises:
+            IndexError: an id outside ``[-1, E)`` (checked here for the -1 filling's sake:
+                the provider's own check would see the filled ids).
+        """
+        if topk_ids.numel() == 0:
+            return topk_ids[:0]
+        low, high = torch.stack(torch.aminmax(topk_ids)).tolist()  # the range check's one host read
+        if low < -1 or high >= self.partition.num_experts:
+            bad = low if low < -1 else high
+            raise IndexError(f"expert id {bad} in topk_ids is outside [-1, {self.partition.num_experts}) (-1 = skip)")
+        if high == -1:
+            return topk_ids[:0]
+        # Other ids outside this rank stay: the provider maps them to -1 and loads nothing.
+        return torch.where(topk_ids == -1, high, topk_ids)
+
+
+def _close(results: Iterator[object]) -> None:
+    close = getattr(results, "close", None)
+    if close is not None:
+        close()
 
 
 def _wait(pending: PendingWork | None) -> None:

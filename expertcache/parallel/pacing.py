@@ -18,21 +18,25 @@ check matters once copies are issued over time (a background prefetcher).
 Off by default; `CopyPacer.engaged` is false with a single rank, where there is no
 collective to protect. It hooks into the copy path through `SlotPool.copy_expert` only
 (every copy in host mode; in device mode only an eager prefill's, which the copy engine
-moves) and never changes which bytes land where. Whether it helps is a measurement
+moves) and never changes which bytes land where. `ExpertParallelMoE` routes a pool's copies
+through its pacer for the span of its own call only (`CopyPacer.pacing`): pacing belongs to
+the layer that asked for it, and another layer over the same `LocalExperts`, or a direct
+``prepare``, copies as it would without. Whether it helps is a measurement
 (``benchmarks/bench_ep.py``): on NVLink-connected GPUs the collective does not cross PCIe
 and pacing can only remove overlap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from expertcache.parallel.collectives import PendingWork
 from expertcache.slot_pool import SlotPool
-from expertcache.validation import check_int
+from expertcache.validation import check_flag, check_int
 
 #: Chunk size by default: 4 MiB pinned copies still reach ~40 GB/s on an H200 (DESIGN.md).
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -57,14 +61,17 @@ class CopyPacer:
     """Chunks expert copies and holds them behind the tracked collective.
 
     Args:
-        world_size: ranks of the process group; the pacer engages only when above 1.
-        enabled: ask for pacing (default off).
-        chunk_bytes: bytes per copy chunk, at least 1.
+        world_size: ranks of the process group, an int >= 1; the pacer engages only when
+            above 1.
+        enabled: ask for pacing (default off), True or False.
+        chunk_bytes: bytes per copy chunk, an int >= 1.
     """
 
     def __init__(self, *, world_size: int, enabled: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        world_size = check_int("world_size", world_size, minimum=1)
+        enabled = check_flag("enabled", enabled)
         chunk_bytes = check_int("chunk_bytes", chunk_bytes, minimum=1)
-        self.engaged = bool(enabled) and world_size > 1
+        self.engaged = enabled and world_size > 1
         self.chunk_bytes = chunk_bytes
         self._in_flight: PendingWork | None = None
         self._stats = PacingStats()
@@ -74,9 +81,26 @@ class CopyPacer:
         return self._stats
 
     def install(self, pool: SlotPool) -> None:
-        """Route ``pool``'s copies through this pacer when engaged; else leave it alone."""
+        """Route ``pool``'s copies through this pacer from now on when engaged; else leave it
+        alone (for a provider driven outside a layer; a layer uses `pacing`)."""
         if self.engaged:
             pool.copy_expert = self.copy
+
+    @contextlib.contextmanager
+    def pacing(self, pool: SlotPool, work: PendingWork) -> Iterator[None]:
+        """While the block runs, route ``pool``'s copies through this pacer and hold them
+        behind ``work`` (when engaged; else change nothing); afterwards the pool copies as
+        before and nothing is held, even when the block raised."""
+        if not self.engaged:
+            yield
+            return
+        previous, pool.copy_expert = pool.copy_expert, self.copy
+        self.track(work)
+        try:
+            yield
+        finally:
+            self.release()
+            pool.copy_expert = previous
 
     def track(self, work: PendingWork) -> None:
         """A collective has been issued; copies from now on wait for it while it runs."""

@@ -49,6 +49,8 @@ class ExpertPartition:
                 f"world_size {self.world_size} exceeds num_experts {self.num_experts}: "
                 f"every rank must own at least one expert"
             )
+        if not isinstance(self.scheme, str):
+            raise TypeError(f"scheme must be a str, one of {list(SCHEMES)}; got {type(self.scheme).__name__}")
         if self.scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {self.scheme!r}; known: {list(SCHEMES)}")
 
@@ -67,17 +69,31 @@ class ExpertPartition:
         )
 
     def local_experts(self, rank: int) -> tuple[int, ...]:
-        """Global ids owned by ``rank``, ascending (position = local index)."""
-        self._check_rank(rank)
+        """Global ids owned by ``rank``, ascending (position = local index).
+
+        Raises:
+            TypeError: ``rank`` is not an integer (a bool, float or str is refused).
+            ValueError: ``rank`` is outside ``[0, world_size)``.
+        """
+        rank = self.check_rank(rank)
         return tuple(np.flatnonzero(self.owners() == rank).tolist())
 
     def expert_map(self, rank: int) -> torch.Tensor:
-        """``[E]`` int32 CPU table for ``rank``: global id -> local index, -1 if not owned."""
+        """``[E]`` int32 CPU table for ``rank``: global id -> local index, -1 if not owned
+        (``rank`` checked as in `local_experts`)."""
         table = torch.full((self.num_experts,), -1, dtype=torch.int32)
         local = torch.tensor(self.local_experts(rank), dtype=torch.int64)
         table[local] = torch.arange(local.numel(), dtype=torch.int32)
         return table
 
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= int(rank) < self.world_size:
-            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+    def check_rank(self, rank: object) -> int:
+        """``rank`` as a Python int in ``[0, world_size)`` (numpy integers accepted).
+
+        Raises:
+            TypeError: not an integer (``True``, ``1.0`` and ``"1"`` are not ranks).
+            ValueError: outside ``[0, world_size)``.
+        """
+        number = check_int("rank", rank, expected=f"an int in [0, {self.world_size})")
+        if not 0 <= number < self.world_size:
+            raise ValueError(f"rank {number} is outside [0, {self.world_size})")
+        return number

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from expertcache.parallel.collectives import gather_rows
 from expertcache.parallel.layer import ExpertParallelMoE
 from expertcache.stats import CacheStats
+from expertcache.validation import resolve_device
 
 _FIELDS = tuple(field.name for field in dataclasses.fields(CacheStats))
 
@@ -41,30 +42,42 @@ class RankStats:
 def gather_stats(
     stats: CacheStats,
     *,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "cpu",
     group: dist.ProcessGroup | None = None,
 ) -> RankStats:
     """All-gather this rank's counters; every rank must call it.
 
     Args:
-        stats: this rank's counters (e.g. ``layer.stats``, or a sum over layers).
+        stats: this rank's `CacheStats` (e.g. ``layer.stats``, or a sum over layers).
         device: where the exchanged int64 tensor lives (``"cpu"`` for gloo, the rank's
-            GPU for NCCL).
+            GPU for NCCL; None: the current CUDA device, else the CPU).
         group: the process group (None: the world).
+
+    Raises:
+        TypeError: ``stats`` is not a `CacheStats`. ValueError: ``device`` is not the CPU
+            or a CUDA device of this machine. Both before the collective.
     """
+    if not isinstance(stats, CacheStats):
+        raise TypeError(f"stats must be a CacheStats (e.g. layer.stats), got {type(stats).__name__}")
+    target = resolve_device(device)
     values = torch.tensor([[getattr(stats, name) for name in _FIELDS]], dtype=torch.int64)
-    gathered, _ = gather_rows(values.to(device), 1, fill=0, group=group)
+    gathered, _ = gather_rows(values.to(target), 1, fill=0, group=group)
     return RankStats(tuple(CacheStats(*row) for row in gathered.cpu().tolist()))
 
 
 def rank_manifest(layer: ExpertParallelMoE) -> dict[str, Any]:
-    """What this rank holds for ``layer``, JSON-serialisable.
+    """What this rank holds for ``layer`` (an `ExpertParallelMoE`), JSON-serialisable.
 
     Returns:
         the provider's manifest (`expertcache.manifest.Manifest.to_dict`: tensors, slots,
         record, pool, host and pinned bytes) plus ``rank``, ``world_size``, ``scheme``,
         ``experts`` (owned global ids), ``resident`` (global ids in slots now) and ``stats``.
+
+    Raises:
+        TypeError: ``layer`` is not an `ExpertParallelMoE` (a `LocalExperts` is wrapped in one).
     """
+    if not isinstance(layer, ExpertParallelMoE):
+        raise TypeError(f"layer must be an ExpertParallelMoE, got {type(layer).__name__}")
     return {
         **layer.local.provider.manifest().to_dict(),
         "rank": layer.rank,
@@ -77,7 +90,8 @@ def rank_manifest(layer: ExpertParallelMoE) -> dict[str, Any]:
 
 
 def gather_manifests(layer: ExpertParallelMoE, *, group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
-    """Every rank's `rank_manifest` of ``layer``, in rank order; every rank must call it."""
+    """Every rank's `rank_manifest` of ``layer``, in rank order; every rank must call it
+    (``layer`` is checked as in `rank_manifest`, before the collective)."""
     manifests: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(manifests, rank_manifest(layer), group=group)
     return manifests

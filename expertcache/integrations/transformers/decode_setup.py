@@ -1,5 +1,6 @@
 """What `GraphedGenerator`'s decode step needs around it, each a function on its own.
 
+* `check_model`: a transformers model, and a ``max_length`` its positions reach;
 * `static_cache`: transformers' ``StaticCache`` for the step, with sliding-window layers that
   never slide turned static (their host-side length would freeze in a graph);
 * `resolve_graphs` / `host_syncs`: whether the step can be captured (a host-mode expert cache
@@ -19,6 +20,36 @@ import torch
 from torch import nn
 
 from expertcache.integrations.transformers import dispatch
+
+
+def check_model(model: object, max_length: int) -> torch.device:
+    """The device of ``model``'s input embeddings, once ``model`` is known to be a transformers
+    causal LM (a module with ``get_input_embeddings``) whose positions reach ``max_length``.
+
+    Raises:
+        TypeError: ``model`` is not such a module (an `ExpertCacheHandle`: pass the model).
+        ValueError: ``max_length`` above the model's ``max_position_embeddings`` (when its
+            config states one).
+    """
+    if not isinstance(model, nn.Module) or not callable(getattr(model, "get_input_embeddings", None)):
+        from expertcache.integrations.transformers.handle import ExpertCacheHandle
+
+        hint = (
+            ": pass the model itself (enable_expert_cache serves it in place; the handle is for stats and disable())"
+            if isinstance(model, ExpertCacheHandle)
+            else ""
+        )
+        raise TypeError(f"model must be a transformers causal LM (an nn.Module), got {type(model).__name__}{hint}")
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "get_text_config", None)  # a multimodal config keeps the text's apart
+    limit = getattr(text_config() if callable(text_config) else config, "max_position_embeddings", None)
+    if isinstance(limit, int) and max_length > limit:
+        raise ValueError(
+            f"max_length {max_length} is more than the model's max_position_embeddings ({limit}): "
+            f"positions past it were never trained (lower max_length)"
+        )
+    causal_lm: Any = model
+    return causal_lm.get_input_embeddings().weight.device
 
 
 @contextlib.contextmanager
@@ -64,11 +95,13 @@ def resolve_graphs(model: nn.Module, graphs: bool | str, device: torch.device) -
     """Whether to capture: ``"auto"`` means on CUDA when nothing in the step syncs the host.
 
     Raises:
+        TypeError: ``graphs`` neither a bool nor a str (``1`` is not a promise).
         ValueError: ``graphs=True`` off CUDA, or with a host-mode expert cache or a routing
-            recorder (both read ids on the host every layer); a value not in
-            ``(True, False, "auto")``.
+            recorder (both read ids on the host every layer); a str other than ``"auto"``.
     """
-    if graphs not in (True, False, "auto"):
+    if not isinstance(graphs, (bool, str)):
+        raise TypeError(f"graphs must be True, False or 'auto', got {graphs!r:.40}")
+    if isinstance(graphs, str) and graphs != "auto":
         raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
     syncs = host_syncs(model)
     if graphs == "auto":

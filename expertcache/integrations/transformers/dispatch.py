@@ -108,6 +108,11 @@ def is_bound(module: nn.Module) -> bool:
     return module in _BINDINGS
 
 
+def recorder_in_use(recorder: RoutingRecorder) -> bool:
+    """Whether a served module (of any model) records its routing into ``recorder``."""
+    return any(binding.recorder is recorder for binding in list(_BINDINGS.values()))
+
+
 def binding_of(module: nn.Module) -> Binding | None:
     """What serves ``module`` (its provider, recorder, ...), or None when the cache does not."""
     return _BINDINGS.get(module)

@@ -15,7 +15,8 @@ both functions, under the import path they always had.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import copy
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -73,7 +74,8 @@ def enable_expert_cache(
         device: where the slots live (default: where the expert weights are now; the
             command line's ``--moe-expert-cache-device`` defaults to the GPU when there is one).
         pin_budget_bytes: refuse, before pinning anything, to pin more host memory in all.
-        recorder: a `RoutingRecorder` that receives every MoE layer's ``topk_ids``.
+        recorder: a `RoutingRecorder` that receives every MoE layer's ``topk_ids`` (one
+            recorder records one model: not one that another served model feeds).
         mode: ``"host"`` (default) or ``"device"`` (GPU admission, LRU, CUDA-graph capturable).
         compression: ``"exponent"``: store bf16/fp16 experts losslessly exponent-coded in
             pinned memory (~0.68 of the bytes over PCIe, slots bit-identical); default None.
@@ -83,16 +85,21 @@ def enable_expert_cache(
         An `ExpertCacheHandle` (``stats``, ``disable()``, ``config``); None for ``config=None``.
 
     Raises:
-        TypeError: ``model`` is not a module; config and keyword settings both given.
+        TypeError: ``model`` is not a module; ``recorder`` is not a `RoutingRecorder`; config
+            and keyword settings both given.
         UnsupportedModelError: the model's experts cannot be served (names the family).
         NoExpertsError: the model has no MoE layers.
-        ValueError: a setting out of range for this model; PinBudgetError: over the budget.
-        Nothing is changed when any of these is raised.
+        ValueError: a setting out of range for this model (a ``device`` that does not exist
+            here); a recorder set up for other layers or experts, or already recording
+            another served model; PinBudgetError: over the budget.
+        Nothing is changed when any of these is raised (the recorder included).
     """
     from expertcache.integrations.transformers.handle import ExpertCacheHandle  # it imports this module
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    if recorder is not None and not isinstance(recorder, RoutingRecorder):
+        raise TypeError(f"recorder must be an expertcache.trace.RoutingRecorder or None, got {type(recorder).__name__}")
     settings: dict[str, object] = {
         "cache_size": cache_size,
         "policy": policy,
@@ -114,17 +121,14 @@ def enable_expert_cache(
     _check_not_meta(model, blocks)
     target = resolve_device(config.device or blocks[0].module.get_parameter("gate_up_proj").device)
     inner = {block.name: _previous_implementation(model, block) for block in blocks}
+    description = _check_recorder(recorder, model, blocks)
     layouts = [block_layout(block) for block in blocks]
     check_pin_budget(blocks, layouts, config.pin_budget_bytes)
     pool = shared_pool(blocks, layouts, config, target) if config.budget == "global" else None
-    if recorder is not None:
-        recorder.describe(
-            layers=[block.layer for block in blocks],
-            num_experts=max(block.num_experts for block in blocks),
-            model=model_family(model),
-        )
     expert_bytes = sum(block.module.get_parameter(name).nbytes for block in blocks for name in block.parameter_names)
     served = serve_blocks(blocks, config, target, pool)
+    if recorder is not None:
+        recorder.describe(**description)  # checked on a copy above: cannot fail
     handle = ExpertCacheHandle(config, served, recorder, expert_bytes)
     for item in served:
         block_config = getattr(item.block.module, "config")  # noqa: B009 - set by the decorator
@@ -177,7 +181,35 @@ def _resolve_config(config: object, settings: dict[str, object]) -> ExpertCacheC
     chosen = {name: value for name, value in settings.items() if value is not None}
     if "device" in chosen:
         chosen["device"] = str(chosen["device"])
-    return ExpertCacheConfig(**chosen)  # type: ignore[arg-type]
+    config = ExpertCacheConfig(**chosen)  # type: ignore[arg-type]
+    if settings["device"] is not None:
+        # the config spells every CPU "cpu": check the device as given ("cpu:1" does not exist)
+        try:
+            resolve_device(settings["device"])  # type: ignore[arg-type]
+        except ValueError as error:
+            raise ValueError(f"device {str(settings['device'])!r}: {error}") from None
+    return config
+
+
+def _check_recorder(recorder: RoutingRecorder | None, model: nn.Module, blocks: list[ExpertBlock]) -> dict[str, Any]:
+    """What ``recorder.describe`` will be told about ``model``, checked without changing the
+    recorder (on a copy): set up for the same layers and experts, and no other served model
+    recording into it (one trace describes one model)."""
+    description: dict[str, Any] = {
+        "layers": [block.layer for block in blocks],
+        "num_experts": max(block.num_experts for block in blocks),
+        "model": model_family(model),
+    }
+    if recorder is None:
+        return description
+    if dispatch.recorder_in_use(recorder):
+        raise ValueError(
+            f"this RoutingRecorder already records another served model ({recorder.model or 'unnamed'}): one "
+            f"recorder's trace describes one model. Give this {description['model']} model its own RoutingRecorder, "
+            f"or disable() the other model's cache first"
+        )
+    copy.copy(recorder).describe(**description)  # refuses other layers or experts; the recorder is untouched
+    return description
 
 
 def _check_not_meta(model: nn.Module, blocks: list[ExpertBlock]) -> None:

@@ -40,6 +40,7 @@ import torch
 from expertcache.integrations.transformers.decode_buckets import Bucket, StepCalls, bucket_sizes
 from expertcache.integrations.transformers.decode_request import Stop, check_request
 from expertcache.integrations.transformers.decode_setup import (
+    check_model,
     choose_tokens,
     decode_experts_implementation,
     resolve_graphs,
@@ -66,8 +67,11 @@ class GraphedGenerator:
 
     Raises:
         ValueError: graphs requested off CUDA, or with a host-mode expert cache or a routing
-            recorder; with graphs, a sliding window shorter than ``max_length``; a size < 1.
-        TypeError: a size that is not an integer (numpy's are; a bool or a float is not).
+            recorder; with graphs, a sliding window shorter than ``max_length``; a size < 1;
+            ``max_length`` above the model's ``max_position_embeddings``.
+        TypeError: a size that is not an integer (numpy's are; a bool or a float is not);
+            ``graphs`` not a bool or ``"auto"``; ``model`` not a transformers model (an
+            `ExpertCacheHandle`, say).
     """
 
     def __init__(
@@ -82,10 +86,10 @@ class GraphedGenerator:
         max_length = check_int("max_length", max_length, minimum=1)
         max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1)
         check_int("warmup_steps", warmup_steps, minimum=1)  # capture follows eager steps
+        self.device = check_model(model, max_length)
         self.model = model
         self.max_length = max_length
         self.buckets = bucket_sizes(max_batch_size)
-        self.device = model.get_input_embeddings().weight.device
         self.graphs = resolve_graphs(model, graphs, self.device)
         if self.graphs:
             static_cache(model, max_length)  # refuses a sliding window now (tensors come lazily)
@@ -119,23 +123,36 @@ class GraphedGenerator:
             input_ids: ``[B, P]`` int64 prompts on the model's device (left-padded when
                 their lengths differ).
             max_new_tokens: tokens to generate per sequence, ``P + max_new_tokens <= max_length``.
-            attention_mask: ``[B, P]`` 1 for tokens, 0 for left padding (default all ones).
-            do_sample: sample (``temperature``, ``top_p``) instead of taking the argmax.
+            attention_mask: ``[B, P]`` integers or bools, 1 for tokens, 0 for left padding
+                (default all ones); every row ends with a token.
+            do_sample: ``True``: sample (``temperature`` in (0, inf), ``top_p`` in (0, 1],
+                ``generator``) instead of taking the argmax. With ``False`` those three must
+                stay at their defaults (1.0, 1.0, None): a setting given is never ignored.
             generator: the sampling generator (on the model's device), for reproducible samples.
-            eos_token_id: a sequence stops after one of these; finished ones get ``pad_token_id``
-                (default: the first EOS id) and generation ends when all have stopped.
+            eos_token_id: a token id or a non-empty list of them, in the vocabulary: a sequence
+                stops after one of these; finished ones get ``pad_token_id`` (default: the
+                first EOS id) and generation ends when all have stopped.
+            pad_token_id: a token id in the vocabulary (used only with ``eos_token_id``).
 
         Returns:
             ``[B, P + N]`` int64: the prompts and ``N <= max_new_tokens`` new tokens.
+
+        Raises:
+            TypeError / ValueError: naming the argument, before any work (the cache and this
+            generator are left as they were).
         """
-        batch = check_request(self, input_ids, max_new_tokens, attention_mask, temperature, top_p)
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
-        state = self._bucket(batch)
-        logits = self._calls.prefill(state, input_ids, mask)
+        request = check_request(
+            self, input_ids, max_new_tokens, attention_mask,
+            do_sample=do_sample, temperature=temperature, top_p=top_p, generator=generator,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        )  # fmt: skip
+        max_new_tokens = request.max_new_tokens
+        state = self._bucket(request.batch)
+        logits = self._calls.prefill(state, input_ids, request.mask)
         choose = functools.partial(
-            choose_tokens, do_sample=do_sample, temperature=temperature, top_p=top_p, generator=generator
+            choose_tokens, do_sample=request.do_sample, temperature=temperature, top_p=top_p, generator=generator
         )
-        stop = Stop.of(eos_token_id, pad_token_id, state.size, batch, self.device)
+        stop = Stop.of(request, state.size, self.device)
         new = torch.empty(state.size, max_new_tokens, dtype=torch.long, device=self.device)
         produced = max_new_tokens
         with decode_experts_implementation(self.model, self.device):
@@ -148,7 +165,7 @@ class GraphedGenerator:
                 state.input_ids.copy_(tokens.unsqueeze(1))
                 state.position_ids.add_(1)
                 logits = self._step(state)
-        return torch.cat([input_ids, new[:batch, :produced]], dim=1)
+        return torch.cat([input_ids, new[: request.batch, :produced]], dim=1)
 
     def eager_step(self, batch: int) -> torch.Tensor:
         """Run, eagerly, the decode step a graph captures, on the buffers of ``batch``'s bucket
@@ -163,7 +180,12 @@ class GraphedGenerator:
         return self._calls.forward(self._states[size])
 
     def bucket_for(self, batch: int) -> int:
-        """The bucket (padded batch size) a batch of ``batch`` sequences runs in."""
+        """The bucket (padded batch size) a batch of ``batch`` sequences runs in.
+
+        Raises:
+            TypeError: ``batch`` is not an integer. ValueError: below 1 or above ``max_batch_size``.
+        """
+        batch = check_int("batch", batch, minimum=1)
         for size in self.buckets:
             if size >= batch:
                 return size
