@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from expertcache.metrics_collector import CacheCollector, HasStats
 from expertcache.timed_provider import PREPARE_BUCKETS, TimedProvider
+from expertcache.validation import check_int
 
 __all__ = [
     "PREPARE_BUCKETS",
@@ -96,7 +97,7 @@ def start_metrics_server(
             before anything is bound or registered.
         OSError: the address cannot be bound (a port in use); nothing stays registered.
     """
-    _check_port(port)
+    port = _check_port(port)
     _check_addr(addr, port)
     if collector is not None and not isinstance(collector, CacheCollector):
         raise TypeError(f"collector must be a CacheCollector, got {type(collector).__name__}")
@@ -119,11 +120,11 @@ def start_metrics_server(
     return MetricsServer(collector, registry, addr, server.server_port, server, thread)
 
 
-def _check_port(port: object) -> None:
-    if isinstance(port, bool) or not isinstance(port, int):
-        raise TypeError(f"port must be an int in 0..65535, got {type(port).__name__} {port!r:.40}")
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port must be in 0..65535 (0: any free port), got {port}")
+def _check_port(port: object) -> int:
+    number = check_int("port", port, expected="an int in 0..65535")  # numpy ints too, as every count
+    if not 0 <= number <= 65535:
+        raise ValueError(f"port must be in 0..65535 (0: any free port), got {number}")
+    return number
 
 
 def _check_addr(addr: object, port: int) -> None:

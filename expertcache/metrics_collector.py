@@ -86,8 +86,12 @@ class CacheCollector(Collector):
     def track(self, layer: str, provider: HasStats) -> None:
         """Expose ``provider`` (anything with a ``stats`` `CacheStats`) under ``layer``.
 
+        Reads ``provider.stats`` once, to check it (a device-mode cache's counters: one
+        device-to-host copy; not while a CUDA graph is captured).
+
         Raises:
-            TypeError: ``provider`` has no ``stats``. ValueError: ``layer`` is already tracked.
+            TypeError: ``provider``'s ``stats`` is missing or not a `CacheStats` (every later
+                scrape would fail). ValueError: ``layer`` is empty or already tracked.
         """
         label = self._check_label(layer, provider)
         with self._lock:
@@ -96,8 +100,16 @@ class CacheCollector(Collector):
     def _check_label(self, layer: object, provider: object) -> str:
         if not isinstance(layer, (str, int)) or isinstance(layer, bool):
             raise TypeError(f"a layer label is a str or an int, got {type(layer).__name__}")
+        if not str(layer).strip():  # Prometheus reads an empty label value as no label
+            raise ValueError("a layer label must not be empty")
         if not hasattr(provider, "stats"):
             raise TypeError(f"provider for layer {layer!r} has no stats to expose")
+        stats = provider.stats  # type: ignore[attr-defined]
+        if not isinstance(stats, CacheStats):
+            hint = "; track handle.provider(name) for each name in handle.layers" if hasattr(provider, "layers") else ""
+            raise TypeError(
+                f"provider for layer {layer!r} has stats of type {type(stats).__name__}, not a CacheStats{hint}"
+            )
         if str(layer) in self._providers:
             raise ValueError(f"layer {str(layer)!r} is already tracked")
         return str(layer)
@@ -135,6 +147,14 @@ class CacheCollector(Collector):
         with self._lock:
             snapshot = self._frozen if self._frozen is not None else self._read()
             providers = dict(self._providers)
+        return self._families(snapshot, providers)
+
+    def describe(self) -> Iterator[Metric]:
+        """The families `collect` yields, without values: what a registry checks for names
+        another collector already uses (without it a duplicate would register silently)."""
+        return self._families({}, {})
+
+    def _families(self, snapshot: Mapping[str, CacheStats], providers: Mapping[str, HasStats]) -> Iterator[Metric]:
         for name, field, documentation in _COUNTERS:
             family = CounterMetricFamily(f"{self.namespace}_{name}", documentation, labels=["layer"])
             for layer, stats in snapshot.items():

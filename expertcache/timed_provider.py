@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
+from typing import cast
 
 import torch
 
@@ -33,13 +35,17 @@ class TimedProvider(ExpertWeightProvider):
     """
 
     def __init__(self, provider: ExpertWeightProvider, *, buckets: tuple[float, ...] = PREPARE_BUCKETS) -> None:
-        if not hasattr(provider, "prepare") or not hasattr(provider, "stats"):
-            raise TypeError(f"TimedProvider wraps a provider with prepare() and stats, got {type(provider).__name__}")
-        bounds = tuple(buckets)
-        if not bounds or not all(_positive_finite(bound) for bound in bounds) or list(bounds) != sorted(set(bounds)):
-            raise ValueError(f"buckets must be increasing positive finite seconds, got {bounds!r:.80}")
+        if isinstance(provider, type) or not hasattr(provider, "prepare") or not hasattr(provider, "stats"):
+            what = f"the class {provider.__name__}" if isinstance(provider, type) else type(provider).__name__
+            raise TypeError(f"TimedProvider wraps a provider (an instance with prepare() and stats), got {what}")
+        if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable):
+            raise TypeError(f"buckets must be a sequence of seconds, got {type(buckets).__name__}")
+        given = tuple(_seconds(bound) for bound in buckets)
+        bounds = tuple(cast(float, bound) for bound in given)  # floats once the check below passes
+        if not given or not all(_positive_finite(bound) for bound in given) or list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"buckets must be increasing positive finite seconds, got {given!r:.80}")
         self.provider = provider
-        self.buckets = tuple(float(bound) for bound in bounds)
+        self.buckets = bounds
         self._counts = [0] * (len(self.buckets) + 1)  # the last bucket is +Inf
         self._sum = 0.0
 
@@ -92,6 +98,12 @@ class TimedProvider(ExpertWeightProvider):
             total += count
             cumulative.append((bound, total))
         return cumulative, self._sum
+
+
+def _seconds(value: object) -> object:
+    """A real number as a Python float (numpy's float32 too); anything else, a bool included,
+    as it is, for `_positive_finite` to refuse."""
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
 
 
 def _positive_finite(value: object) -> bool:
