@@ -63,7 +63,10 @@ class MetricsServer:
     _closed: bool = False
 
     def close(self) -> None:
-        """Stop serving, free the port and unregister the collector (a second call does nothing)."""
+        """Stop serving, free the port and unregister the collector that `start_metrics_server`
+        registered (a second call does nothing). A start never registers a collector its
+        registry already held (it raises instead), so a registration of the caller's own is
+        never touched."""
         if self._closed:
             return
         self._closed = True
@@ -93,8 +96,10 @@ def start_metrics_server(
         registry: the registry to serve (default: a fresh one holding only the collector).
 
     Raises:
-        TypeError / ValueError: a bad port, address, collector, registry or provider,
-            before anything is bound or registered.
+        TypeError / ValueError: a bad port (an int, numpy ints too), address, collector,
+            registry or provider (see `CacheCollector.track`), or a registry that already
+            holds the collector or metrics of the same names (ValueError), before anything is
+            bound or registered.
         OSError: the address cannot be bound (a port in use); nothing stays registered.
     """
     port = _check_port(port)
@@ -106,18 +111,34 @@ def start_metrics_server(
     collector = collector if collector is not None else CacheCollector()
     new = collector.check_new(providers)
     registry = registry if registry is not None else CollectorRegistry()
+    _register(registry, collector)  # a duplicate raises here, before anything is bound
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)
-    except OSError as error:  # a port in use: nothing is registered yet
-        raise OSError(error.errno, f"cannot serve metrics on {addr}:{port}: {error.strerror}") from None
+    except BaseException as error:  # a port in use (or a Ctrl-C): the registration goes too
+        registry.unregister(collector)
+        if isinstance(error, OSError):
+            raise OSError(error.errno, f"cannot serve metrics on {addr}:{port}: {error.strerror}") from None
+        raise
+    try:
+        collector._add_checked(new)  # all or none
+    except BaseException:
+        _stop(server, thread)
+        registry.unregister(collector)
+        raise
+    return MetricsServer(collector, registry, addr, server.server_port, server, thread)
+
+
+def _register(registry: CollectorRegistry, collector: CacheCollector) -> None:
+    """Register ``collector``; the registry refuses metric names it already serves (learnt
+    from `CacheCollector.describe`), so a scrape never has two groups of one name."""
     try:
         registry.register(collector)
     except ValueError as error:
-        _stop(server, thread)
-        raise ValueError(f"the registry already holds this collector or metrics of the same names ({error})") from None
-    for layer, provider in new.items():
-        collector.track(layer, provider)
-    return MetricsServer(collector, registry, addr, server.server_port, server, thread)
+        raise ValueError(
+            f"the registry already holds this collector, or another serving metrics of the same names "
+            f"(namespace {collector.namespace!r}): nothing was registered or bound. Pass a fresh registry, "
+            f"or give the second CacheCollector another namespace= ({str(error)[:200]})"
+        ) from None
 
 
 def _check_port(port: object) -> int:

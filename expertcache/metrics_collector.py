@@ -9,6 +9,8 @@ the prepare-time histogram of providers wrapped in `expertcache.timed_provider.T
 
 from __future__ import annotations
 
+import numbers
+import operator
 import re
 import threading
 from collections.abc import Iterator, Mapping
@@ -61,14 +63,14 @@ class CacheCollector(Collector):
         self._frozen: dict[str, CacheStats] | None = None
         self._pause_depth = 0
         self._lock = threading.Lock()  # a read in flight ends before paused() returns
-        for layer, provider in self.check_new(providers).items():
-            self.track(layer, provider)
+        self._add_checked(self.check_new(providers))
 
     def check_new(self, providers: Mapping[str, HasStats] | None) -> dict[str, HasStats]:
         """``providers`` keyed by label, after checking `track` would take every one.
 
         Raises:
-            TypeError: not a mapping, or a provider without ``stats``. ValueError: a label
+            TypeError: not a mapping, a label neither a str nor an int, or a provider whose
+                ``stats`` is missing or not a `CacheStats`. ValueError: an empty label, one
                 already tracked, or two that read the same as strings.
         """
         if providers is None:
@@ -84,7 +86,9 @@ class CacheCollector(Collector):
         return checked
 
     def track(self, layer: str, provider: HasStats) -> None:
-        """Expose ``provider`` (anything with a ``stats`` `CacheStats`) under ``layer``.
+        """Expose ``provider`` (anything whose ``stats`` is a `CacheStats`: a `CachedWeightProvider`,
+        a `TimedProvider`; for a transformers model, each ``handle.provider(name)``) under
+        ``layer`` (a non-empty str, or an int).
 
         Reads ``provider.stats`` once, to check it (a device-mode cache's counters: one
         device-to-host copy; not while a CUDA graph is captured).
@@ -93,26 +97,27 @@ class CacheCollector(Collector):
             TypeError: ``provider``'s ``stats`` is missing or not a `CacheStats` (every later
                 scrape would fail). ValueError: ``layer`` is empty or already tracked.
         """
-        label = self._check_label(layer, provider)
+        self._add_checked({self._check_label(layer, provider): provider})
+
+    def _add_checked(self, checked: Mapping[str, HasStats]) -> None:
+        """Track every provider of ``checked`` (labels from `_check_label`), all or none: a
+        label another thread tracked since it was checked raises ValueError, tracking nothing."""
         with self._lock:
-            self._providers[label] = provider
+            taken = sorted(set(checked) & set(self._providers))
+            if taken:
+                raise ValueError(f"layer {taken[0]!r} is already tracked")
+            self._providers.update(checked)
 
     def _check_label(self, layer: object, provider: object) -> str:
-        if not isinstance(layer, (str, int)) or isinstance(layer, bool):
-            raise TypeError(f"a layer label is a str or an int, got {type(layer).__name__}")
-        if not str(layer).strip():  # Prometheus reads an empty label value as no label
-            raise ValueError("a layer label must not be empty")
-        if not hasattr(provider, "stats"):
-            raise TypeError(f"provider for layer {layer!r} has no stats to expose")
-        stats = provider.stats  # type: ignore[attr-defined]
-        if not isinstance(stats, CacheStats):
-            hint = "; track handle.provider(name) for each name in handle.layers" if hasattr(provider, "layers") else ""
-            raise TypeError(
-                f"provider for layer {layer!r} has stats of type {type(stats).__name__}, not a CacheStats{hint}"
-            )
-        if str(layer) in self._providers:
-            raise ValueError(f"layer {str(layer)!r} is already tracked")
-        return str(layer)
+        if isinstance(layer, bool) or not isinstance(layer, (str, numbers.Integral)):
+            raise TypeError(f"a layer label is a str or an int, got {type(layer).__name__} {layer!r:.40}")
+        label = layer if isinstance(layer, str) else str(operator.index(layer))  # np.int64(3) -> "3"
+        if not label.strip():  # Prometheus reads an empty label value as no label
+            raise ValueError(f"a layer label must not be empty or blank, got {label!r}")
+        _check_provider(label, provider)
+        if label in self._providers:
+            raise ValueError(f"layer {label!r} is already tracked")
+        return label
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -170,6 +175,27 @@ class CacheCollector(Collector):
                 buckets, total = provider.prepare_seconds()
                 timing.add_metric([layer], buckets, total)
         yield timing
+
+
+def _check_provider(label: str, provider: object) -> None:
+    """Refuse what every later scrape would fail on: no ``stats``, or ``stats`` not a `CacheStats`."""
+    expected = (
+        "expected a provider whose stats is an expertcache.stats.CacheStats (a CachedWeightProvider, a TimedProvider)"
+    )
+    if isinstance(provider, type):
+        raise TypeError(f"provider for layer {label!r} is the class {provider.__name__}, not an instance: {expected}")
+    if not hasattr(provider, "stats"):
+        raise TypeError(f"provider for layer {label!r} has no stats to expose ({type(provider).__name__}): {expected}")
+    stats = provider.stats  # type: ignore[attr-defined]
+    if isinstance(stats, CacheStats):
+        return
+    what = f"provider for layer {label!r} has stats of type {type(stats).__name__}, not a CacheStats"
+    if hasattr(provider, "layers") and callable(getattr(provider, "provider", None)):  # an ExpertCacheHandle
+        raise TypeError(
+            f"{what}; track handle.provider(name) for each name in handle.layers, each under its own label "
+            f"(a model's handle sums its expert blocks' stats)"
+        )
+    raise TypeError(f"{what} ({type(provider).__name__}): {expected}")
 
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")

@@ -14,8 +14,8 @@ import math
 import numbers
 import time
 from collections.abc import Generator, Iterable, Iterator
-from typing import cast
 
+import numpy as np
 import torch
 
 from expertcache.provider import ExpertWeightProvider, PassResults
@@ -32,20 +32,30 @@ class TimedProvider(ExpertWeightProvider):
     Only wrap when metrics are wanted: the wrapper adds two clock reads per call. On a GPU
     the time is what the host spends in ``prepare`` (admission, the id read, launches);
     copies it enqueued may still be running when it returns.
+
+    Args:
+        provider: the provider to time: an instance with ``prepare`` and ``stats`` (a
+            `CachedWeightProvider`), not its class.
+        buckets: the histogram's upper bounds in seconds, increasing, positive and finite:
+            any real numbers (numpy floats too; a float32 bound is read as the shortest
+            decimal naming it, so ``np.float32(0.001)`` is the bucket ``le="0.001"``).
+            Leave it out for `PREPARE_BUCKETS`; None is refused, not read as the default.
+
+    Raises:
+        TypeError: ``provider`` is a class or lacks ``prepare``/``stats``; ``buckets`` is
+            not a sequence of real numbers. ValueError: the bounds are empty, not
+            increasing, not positive or not finite.
     """
 
-    def __init__(self, provider: ExpertWeightProvider, *, buckets: tuple[float, ...] = PREPARE_BUCKETS) -> None:
+    def __init__(self, provider: ExpertWeightProvider, *, buckets: Iterable[float] = PREPARE_BUCKETS) -> None:
         if isinstance(provider, type) or not hasattr(provider, "prepare") or not hasattr(provider, "stats"):
             what = f"the class {provider.__name__}" if isinstance(provider, type) else type(provider).__name__
-            raise TypeError(f"TimedProvider wraps a provider (an instance with prepare() and stats), got {what}")
-        if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable):
-            raise TypeError(f"buckets must be a sequence of seconds, got {type(buckets).__name__}")
-        given = tuple(_seconds(bound) for bound in buckets)
-        bounds = tuple(cast(float, bound) for bound in given)  # floats once the check below passes
-        if not given or not all(_positive_finite(bound) for bound in given) or list(bounds) != sorted(set(bounds)):
-            raise ValueError(f"buckets must be increasing positive finite seconds, got {given!r:.80}")
+            raise TypeError(
+                f"TimedProvider wraps a provider: an instance with prepare() and stats (e.g. "
+                f"CachedWeightProvider(weights, cache_size=...)), got {what}"
+            )
+        self.buckets = _check_buckets(buckets)
         self.provider = provider
-        self.buckets = bounds
         self._counts = [0] * (len(self.buckets) + 1)  # the last bucket is +Inf
         self._sum = 0.0
 
@@ -100,11 +110,28 @@ class TimedProvider(ExpertWeightProvider):
         return cumulative, self._sum
 
 
-def _seconds(value: object) -> object:
-    """A real number as a Python float (numpy's float32 too); anything else, a bool included,
-    as it is, for `_positive_finite` to refuse."""
-    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
+def _check_buckets(buckets: object) -> tuple[float, ...]:
+    """``buckets`` as Python floats, after checking they are increasing positive finite seconds."""
+    expected = "a sequence of seconds (real numbers; leave it out for PREPARE_BUCKETS)"
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable):
+        raise TypeError(f"buckets must be {expected}, got {type(buckets).__name__} {buckets!r:.40}")
+    try:
+        items = tuple(buckets)
+    except TypeError as error:  # a 0-d array says it is iterable, then refuses
+        raise TypeError(f"buckets must be {expected}, got {type(buckets).__name__} ({error})") from None
+    bounds = tuple(_seconds(bound, expected) for bound in items)
+    if (
+        not bounds
+        or not all(math.isfinite(bound) and bound > 0 for bound in bounds)
+        or list(bounds) != sorted(set(bounds))
+    ):
+        raise ValueError(f"buckets must be increasing positive finite seconds, got {bounds!r:.80}")
+    return bounds
 
 
-def _positive_finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+def _seconds(bound: object, expected: str) -> float:
+    if isinstance(bound, (bool, np.bool_)) or not isinstance(bound, numbers.Real):
+        raise TypeError(f"buckets must be {expected}, got an item {type(bound).__name__} {bound!r:.40}")
+    if isinstance(bound, np.floating):  # the decimal that was written, not float32's binary error
+        return float(str(bound))
+    return float(bound)
