@@ -5,10 +5,14 @@ Nothing is counted in the hot path: on every scrape the collector reads each tra
 provider's `CacheStats` (or the values frozen by `CacheCollector.paused`, around CUDA graph
 capture) and yields one counter family per field in `_COUNTERS`, labelled by layer, plus
 the prepare-time histogram of providers wrapped in `expertcache.timed_provider.TimedProvider`.
+A provider whose ``stats`` raises (or stops being a `CacheStats`) during a scrape is left out
+of that scrape, logged and counted in ``<namespace>_stats_read_errors``; the other layers are
+served as ever.
 """
 
 from __future__ import annotations
 
+import logging
 import numbers
 import operator
 import re
@@ -22,6 +26,8 @@ from prometheus_client.registry import Collector
 
 from expertcache.stats import CacheStats
 from expertcache.timed_provider import TimedProvider
+
+_LOG = logging.getLogger(__name__)
 
 _COUNTERS = (
     ("hits", "hits", "Distinct experts of a call already resident, summed over calls."),
@@ -62,6 +68,7 @@ class CacheCollector(Collector):
         self._providers: dict[str, HasStats] = {}
         self._frozen: dict[str, CacheStats] | None = None
         self._pause_depth = 0
+        self._read_errors: dict[str, int] = {}  # per layer: scrapes its stats failed
         self._lock = threading.Lock()  # a read in flight ends before paused() returns
         self._add_checked(self.check_new(providers))
 
@@ -95,7 +102,7 @@ class CacheCollector(Collector):
 
         Raises:
             TypeError: ``provider``'s ``stats`` is missing or not a `CacheStats` (every later
-                scrape would fail). ValueError: ``layer`` is empty or already tracked.
+                scrape would leave it out). ValueError: ``layer`` is empty or already tracked.
         """
         self._add_checked({self._check_label(layer, provider): provider})
 
@@ -141,7 +148,19 @@ class CacheCollector(Collector):
                     self._frozen = None
 
     def _read(self) -> dict[str, CacheStats]:
-        return {layer: provider.stats for layer, provider in self._providers.items()}
+        """Every tracked provider's stats that could be read (under the lock)."""
+        snapshot: dict[str, CacheStats] = {}
+        for layer, provider in self._providers.items():
+            try:
+                stats = provider.stats
+                if not isinstance(stats, CacheStats):
+                    raise TypeError(f"stats became a {type(stats).__name__}, not a CacheStats")
+            except Exception:  # one layer's failure must not fail the whole scrape
+                _LOG.exception("expertcache metrics: reading the stats of layer %r failed; left out", layer)
+                self._read_errors[layer] = self._read_errors.get(layer, 0) + 1
+                continue
+            snapshot[layer] = stats
+        return snapshot
 
     @property
     def is_paused(self) -> bool:
@@ -152,19 +171,30 @@ class CacheCollector(Collector):
         with self._lock:
             snapshot = self._frozen if self._frozen is not None else self._read()
             providers = dict(self._providers)
-        return self._families(snapshot, providers)
+            errors = dict(self._read_errors)
+        return self._families(snapshot, providers, errors)
 
     def describe(self) -> Iterator[Metric]:
         """The families `collect` yields, without values: what a registry checks for names
         another collector already uses (without it a duplicate would register silently)."""
-        return self._families({}, {})
+        return self._families({}, {}, {})
 
-    def _families(self, snapshot: Mapping[str, CacheStats], providers: Mapping[str, HasStats]) -> Iterator[Metric]:
+    def _families(
+        self, snapshot: Mapping[str, CacheStats], providers: Mapping[str, HasStats], errors: Mapping[str, int]
+    ) -> Iterator[Metric]:
         for name, field, documentation in _COUNTERS:
             family = CounterMetricFamily(f"{self.namespace}_{name}", documentation, labels=["layer"])
             for layer, stats in snapshot.items():
                 family.add_metric([layer], getattr(stats, field))
             yield family
+        failed = CounterMetricFamily(
+            f"{self.namespace}_stats_read_errors",
+            "Scrapes that left a layer out because reading its provider's stats raised.",
+            labels=["layer"],
+        )
+        for layer, count in errors.items():
+            failed.add_metric([layer], count)
+        yield failed
         timing = HistogramMetricFamily(
             f"{self.namespace}_prepare_seconds",
             "Host wall time of prepare() (providers wrapped in TimedProvider).",

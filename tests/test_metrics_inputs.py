@@ -258,3 +258,38 @@ def test_a_provider_class_is_not_a_provider():
         TimedProvider(CachedWeightProvider)
     with pytest.raises(TypeError, match="TimedProvider wraps a provider: an instance .* got NoneType"):
         TimedProvider(None)  # type: ignore[arg-type]
+
+
+class _FlakyStats:
+    """A provider whose ``stats`` raises while ``broken`` (a device lost, a provider mid-error)."""
+
+    def __init__(self, provider: CachedWeightProvider) -> None:
+        self.provider, self.broken = provider, False
+
+    @property
+    def stats(self):
+        if self.broken:
+            raise RuntimeError("CUDA error: device lost")
+        return self.provider.stats
+
+
+def test_a_layer_whose_stats_raise_is_left_out_of_the_scrape_not_the_others(caplog):
+    """Before, the collector's error failed the whole scrape (every layer's metrics lost)."""
+    flaky = _FlakyStats(_provider(1))
+    steady = _provider(2)
+    steady.prepare(torch.tensor([[0, 1], [1, 0]]))
+    steady.prepare(torch.tensor([[1, 0]]))  # two hits
+    registry = CollectorRegistry()
+    registry.register(CacheCollector({"flaky": flaky, "steady": steady}))
+    flaky.broken = True
+    for scrape in (1, 2):
+        text = generate_latest(registry).decode()
+        by_layer = [line for line in text.splitlines() if "{layer=" in line]
+        assert f'expertcache_hits_total{{layer="steady"}} {float(steady.stats.hits)}' in by_layer
+        flaky_lines = [line for line in by_layer if 'layer="flaky"' in line]
+        assert flaky_lines == [f'expertcache_stats_read_errors_total{{layer="flaky"}} {float(scrape)}']
+    assert "reading the stats of layer 'flaky' failed" in caplog.text
+    flaky.broken = False  # served again, its failures still counted
+    text = generate_latest(registry).decode()
+    assert 'expertcache_hits_total{layer="flaky"} 0.0' in text
+    assert 'expertcache_stats_read_errors_total{layer="flaky"} 2.0' in text

@@ -399,6 +399,7 @@ def check_two_ranks(rank: int) -> None:
     assert torch.equal(layer(hidden, weights, ids), reference[mine])
     check_hidden_dtypes_across_ranks(rank, partition, hidden, weights, ids)
     check_pacing_belongs_to_its_layer(local, layer, hidden, weights, ids)
+    check_summaries_refused_on_one_rank(rank, layer)
 
 
 def check_hidden_dtypes_across_ranks(rank, partition, hidden, weights, ids) -> None:
@@ -423,3 +424,25 @@ def check_pacing_belongs_to_its_layer(local, layer, hidden, weights, ids) -> Non
     misses = local.stats.misses
     paced(hidden, weights, ids)
     assert paced.pacer.stats.experts == local.stats.misses - misses > 0
+
+
+def check_summaries_refused_on_one_rank(rank: int, layer: ExpertParallelMoE) -> None:
+    """A summary one rank refuses its arguments to: that rank raises its error, the other a
+    ValueError naming it (it waited in the collective until the timeout before); the next
+    good calls gather as ever."""
+    refusals = [  # (the refusing rank, its error, the call's name, the call on each rank)
+        (0, (TypeError, "stats must be a CacheStats"), "gather_stats",
+         lambda bad: gather_stats(None if bad else layer.stats)),
+        (1, (ValueError, "unsupported device meta"), "gather_stats",
+         lambda bad: gather_stats(layer.stats, device="meta" if bad else "cpu")),
+        (1, (TypeError, "layer must be an ExpertParallelMoE"), "gather_manifests",
+         lambda bad: gather_manifests(layer.local if bad else layer)),
+    ]  # fmt: skip
+    for refusing, (error, message), name, call in refusals:
+        if rank != refusing:
+            error, message = ValueError, rf"rank\(s\) \[{refusing}\] refused their arguments to {name}"
+        with pytest.raises(error, match=message):
+            call(rank == refusing)
+    gathered = gather_stats(layer.stats)
+    assert len(gathered.per_rank) == 2 and gathered.per_rank[rank] == layer.stats
+    assert [manifest["rank"] for manifest in gather_manifests(layer)] == [0, 1]

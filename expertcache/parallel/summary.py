@@ -55,14 +55,42 @@ def gather_stats(
 
     Raises:
         TypeError: ``stats`` is not a `CacheStats`. ValueError: ``device`` is not the CPU
-            or a CUDA device of this machine. Both before the collective.
+            or a CUDA device of this machine. A rank that refuses its arguments still
+            joins the gather (on its backend's device), flagged; it raises its own error
+            and every other rank a ValueError naming it, so no rank is left waiting.
     """
-    if not isinstance(stats, CacheStats):
-        raise TypeError(f"stats must be a CacheStats (e.g. layer.stats), got {type(stats).__name__}")
-    target = resolve_device(device)
-    values = torch.tensor([[getattr(stats, name) for name in _FIELDS]], dtype=torch.int64)
-    gathered, _ = gather_rows(values.to(target), 1, fill=0, group=group)
-    return RankStats(tuple(CacheStats(*row) for row in gathered.cpu().tolist()))
+    refusal: Exception | None = None
+    try:
+        if not isinstance(stats, CacheStats):
+            raise TypeError(f"stats must be a CacheStats (e.g. layer.stats), got {type(stats).__name__}")
+        target = resolve_device(device)
+    except (TypeError, ValueError) as error:
+        if not dist.is_initialized():
+            raise  # no group to tell
+        refusal, target = error, _backend_device(group)
+    counters = [0] * len(_FIELDS) if refusal is not None else [getattr(stats, name) for name in _FIELDS]
+    row = torch.tensor([[int(refusal is not None), *counters]], dtype=torch.int64)
+    gathered, _ = gather_rows(row.to(target), 1, fill=0, group=group)
+    rows = gathered.cpu().tolist()
+    _raise_refusals(refusal, [row[0] == 1 for row in rows], "gather_stats")
+    return RankStats(tuple(CacheStats(*row[1:]) for row in rows))
+
+
+def _backend_device(group: dist.ProcessGroup | None) -> torch.device:
+    """A device the group's collectives take: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _raise_refusals(refusal: Exception | None, refused: list[bool], what: str) -> None:
+    """After a collective that carried every rank's verdict: this rank's own error, else a
+    ValueError naming the ranks that refused their arguments."""
+    if refusal is not None:
+        raise refusal
+    ranks = [rank for rank, flag in enumerate(refused) if flag]
+    if ranks:
+        raise ValueError(f"rank(s) {ranks} refused their arguments to {what} (see their error); nothing was gathered")
 
 
 def rank_manifest(layer: ExpertParallelMoE) -> dict[str, Any]:
@@ -90,8 +118,18 @@ def rank_manifest(layer: ExpertParallelMoE) -> dict[str, Any]:
 
 
 def gather_manifests(layer: ExpertParallelMoE, *, group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
-    """Every rank's `rank_manifest` of ``layer``, in rank order; every rank must call it
-    (``layer`` is checked as in `rank_manifest`, before the collective)."""
+    """Every rank's `rank_manifest` of ``layer``, in rank order; every rank must call it.
+
+    ``layer`` is checked as in `rank_manifest`; a rank that refuses it still joins the
+    gather and raises its TypeError, every other rank a ValueError naming it."""
+    refusal: Exception | None = None
+    try:
+        mine: dict[str, Any] | None = rank_manifest(layer)
+    except TypeError as error:  # joins the gather all the same, as None: no rank waits
+        if not dist.is_initialized():
+            raise  # no group to tell
+        mine, refusal = None, error
     manifests: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(manifests, rank_manifest(layer), group=group)
+    dist.all_gather_object(manifests, mine, group=group)
+    _raise_refusals(refusal, [manifest is None for manifest in manifests], "gather_manifests")
     return manifests
