@@ -37,6 +37,7 @@ from expertcache.exponent_code import (
     _pad16,
 )
 from expertcache.exponent_decode import decode_records_torch
+from expertcache.validation import is_dense, resolve_device
 
 __all__ = [
     "COMPRESSIONS",
@@ -110,6 +111,25 @@ def _steps(num_experts: int, values: int, progress: str | None):
     return ((start, min(start + per_step, num_experts)) for start in starts)
 
 
+def _check_experts(tensor: object, code: object) -> None:
+    """Raise unless ``tensor`` is a dense ``[E, ...]`` tensor of ``code``'s dtype."""
+    if not isinstance(code, ExponentCode):
+        raise TypeError(f"code must be an ExponentCode, got {type(code).__name__}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"the experts must be a tensor, got {type(tensor).__name__}")
+    if not is_dense(tensor):
+        raise TypeError(f"the experts must be a dense (strided) tensor, got layout {tensor.layout}")
+    if tensor.dim() < 1:
+        raise ValueError("the experts must be [E, ...]; got a 0-d tensor")
+    if tensor.dtype != code.dtype:
+        raise ValueError(f"the code is for {code.dtype}, the tensor is {tensor.dtype}")
+
+
+def _target(tensor: torch.Tensor, device: torch.device | str | None) -> torch.device:
+    """Where the passes run: ``device`` (checked, `resolve_device`), else ``tensor``'s device."""
+    return tensor.device if device is None else resolve_device(device)
+
+
 def _on(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     """``tensor`` (a step's experts) on the encoding device: a copy of this step only."""
     return tensor.detach() if device is None else tensor.detach().to(device)
@@ -131,9 +151,8 @@ def analyse(
     Returns:
         The `Analysis`; its ``codebooks`` live on ``device``.
     """
-    if tensor.dtype != code.dtype:
-        raise ValueError(f"the code is for {code.dtype}, the tensor is {tensor.dtype}")
-    target = tensor.device if device is None else torch.device(device)
+    _check_experts(tensor, code)
+    target = _target(tensor, device)
     num_experts, values = int(tensor.shape[0]), tensor[0].numel() if tensor.shape[0] else 0
     if values == 0:
         return Analysis(RecordFormat(code, 0, 0), torch.zeros(num_experts, 0, code.book_size, dtype=torch.int64))
@@ -221,9 +240,15 @@ def write_records(
         device: where to compute (default: ``tensor``'s device); same bytes on every device.
     """
     fmt = analysis.format
-    if out.dtype != torch.uint8 or tuple(out.shape) != (tensor.shape[0], fmt.record_bytes):
-        raise ValueError(f"out must be uint8 [{tensor.shape[0]}, {fmt.record_bytes}], got {tuple(out.shape)}")
-    target = tensor.device if device is None else torch.device(device)
+    _check_experts(tensor, fmt.code)
+    experts, values = int(tensor.shape[0]), tensor[0].numel() if tensor.shape[0] else 0
+    if (experts, values) != (analysis.codebooks.shape[0], fmt.values):
+        raise ValueError(
+            f"tensor has {experts} experts of {values} values, the analysis {analysis.codebooks.shape[0]} of "
+            f"{fmt.values}: write the tensor analyse saw"
+        )
+    fmt.check_records(out, "out", experts)
+    target = _target(tensor, device)
     last = fmt.last_values
     keep = [HEADER_BYTES, _pad16(last), fmt.code_bytes(last), fmt.spill_bytes, fmt.capacity]
     for start, stop in _steps(int(tensor.shape[0]), fmt.values, progress):

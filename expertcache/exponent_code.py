@@ -175,6 +175,16 @@ class RecordFormat:
     def raw_bytes(self) -> int:
         return 2 * self.values
 
+    def check_records(self, records: torch.Tensor, name: str, experts: int | None = None) -> None:
+        """Raise ValueError unless ``records`` is uint8 ``[experts, record_bytes]`` (any number
+        of experts when ``experts`` is None)."""
+        rows = records.shape[0] if records.dim() == 2 and experts is None else experts
+        if records.dtype != torch.uint8 or tuple(records.shape) != (rows, self.record_bytes):
+            raise ValueError(
+                f"{name} must be uint8 [{'E' if experts is None else experts}, {self.record_bytes}] "
+                f"(record_bytes), got {records.dtype} {list(records.shape)}"
+            )
+
     def pays(self) -> bool:
         """True when the records are smaller than the raw tensor."""
         return 0 < self.record_bytes < self.raw_bytes

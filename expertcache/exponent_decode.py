@@ -52,7 +52,12 @@ def _decode_blocks(blocks: torch.Tensor, count: int, fmt: RecordFormat) -> torch
 
 
 def decode_records_torch(records: torch.Tensor, fmt: RecordFormat) -> torch.Tensor:
-    """Reference decoder: ``[E, record_bytes]`` uint8 records -> ``[E, values]`` of ``fmt``'s dtype."""
+    """Reference decoder: ``[E, record_bytes]`` uint8 records -> ``[E, values]`` of ``fmt``'s dtype.
+
+    Raises:
+        ValueError: ``records`` is not uint8 ``[E, fmt.record_bytes]``.
+    """
+    fmt.check_records(records, "records")
     records = records.cpu()
     experts, full = records.shape[0], fmt.num_blocks - 1
     whole = records[:, : full * fmt.block_bytes()].reshape(experts * full, fmt.block_bytes())

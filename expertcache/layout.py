@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from expertcache.validation import is_dense
+
 #: Byte alignment of every region inside a buffer.
 ALIGNMENT = 256
 
@@ -105,10 +107,11 @@ class ExpertLayout:
             out[spec.name] = raw.view(spec.dtype).view(count, *spec.shape)
         return out
 
-    def check_compatible(self, other: ExpertLayout, *, what: str) -> None:
-        """Raise ValueError when ``other`` registers different tensors than ``self``."""
+    def check_compatible(self, other: ExpertLayout, *, what: str, holder: str = "the slot pool") -> None:
+        """Raise ValueError when ``other`` (``what``) registers different tensors than ``self``
+        (what ``holder`` holds)."""
         if self.specs != other.specs:
-            raise ValueError(f"{what} registers {other.specs}, but the slot pool holds {self.specs}")
+            raise ValueError(f"{what} registers {other.specs}, but {holder} holds {self.specs}")
 
 
 def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, ExpertLayout]:
@@ -118,7 +121,7 @@ def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, Exper
         ``(num_experts, layout)``.
 
     Raises:
-        TypeError: ``weights`` is not a mapping of names to tensors.
+        TypeError: ``weights`` is not a mapping of names to dense (strided) tensors.
         ValueError: ``w1`` or ``w2`` is missing, a tensor has no expert dimension or lives
             on the meta device, the tensors disagree on the number of experts, or
             ``w1``/``w2`` shapes disagree.
@@ -128,6 +131,8 @@ def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, Exper
     for name, tensor in weights.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"weights must map str names to tensors; entry {name!r} is not")
+        if not is_dense(tensor):
+            raise TypeError(f"weights[{name!r}] must be a dense (strided) tensor, got layout {tensor.layout}")
         if tensor.dim() < 1:
             raise ValueError(f"weights[{name!r}] has no expert dimension (shape {tuple(tensor.shape)})")
         if tensor.is_meta:

@@ -18,7 +18,8 @@ what lands in a slot. Both fields are optional when read (older manifests: raw).
 `Manifest.read` checks what a plan is computed from: ``experts``, ``layers``,
 ``expert_bytes`` and ``compressed_expert_bytes`` are JSON integers of at least 1 (not
 ``12.0``, ``true`` or ``"12"``: `Manifest.write` writes integers, so anything else was
-written by hand or damaged); ``expert_bytes`` at most `MAX_EXPERT_BYTES`;
+written by hand or damaged); ``experts`` and ``layers`` at most `MAX_COUNT`,
+``expert_bytes`` at most `MAX_EXPERT_BYTES`;
 ``compressed_expert_bytes`` at most ``expert_bytes`` (a coded tensor is stored only where it
 is smaller) and equal to it when ``compression`` is null; ``compression`` null or a name of
 `expertcache.compression.COMPRESSIONS` (comma-separated when the layers' stores differ).
@@ -46,6 +47,10 @@ MANIFEST_VERSION = 2
 #: The most bytes one expert can have (1 TiB): the experts of today's largest MoE models are
 #: below a few GB, so a larger figure is a mistake (a unit, a damaged file), not a model.
 MAX_EXPERT_BYTES = 2**40
+
+#: The most layers, and experts over all layers, a manifest can count: expert ids are int32
+#: (as a trace's, `expertcache.trace.arrays.MAX_EXPERTS`); a larger figure is damage.
+MAX_COUNT = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +148,7 @@ class Manifest:
 def _check_sizes(path: Path, manifest: Manifest) -> None:
     """What `Manifest.read` checks of the fields a plan uses (see the module docstring)."""
     for name in ("experts", "layers"):
-        _check_count(path, name, getattr(manifest, name))
+        _check_count(path, name, getattr(manifest, name), MAX_COUNT, "MAX_COUNT")
     _check_count(path, "expert_bytes", manifest.expert_bytes, MAX_EXPERT_BYTES, "MAX_EXPERT_BYTES")
     compression = manifest.compression
     if compression is not None and (

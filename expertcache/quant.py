@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from expertcache.quant_fp8 import (
+    check_fp8_block,
     dequantize_fp8_blocks,
     dequantize_fp8_per_tensor,
     quantize_fp8_blocks,
@@ -49,6 +50,7 @@ from expertcache.quant_fp8 import (
 from expertcache.quant_mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from expertcache.reference import combine_expert_outputs
 from expertcache.result import ExpertWeightResult
+from expertcache.validation import check_flag
 
 FORMATS = ("fp8", "mxfp4", "none")
 #: weight dtypes of format "none"
@@ -88,12 +90,11 @@ class QuantScheme:
             raise ValueError(f"gate_up must be one of {GATE_UP_LAYOUTS}, got {self.gate_up!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.fp8_block is not None and (
-            self.format != "fp8"
-            or len(self.fp8_block) != 2
-            or not all(isinstance(size, int) and size >= 1 for size in self.fp8_block)
-        ):
-            raise ValueError(f"fp8_block must be None or two positive ints, for fp8 only; got {self.fp8_block!r}")
+        if self.fp8_block is not None:
+            if self.format != "fp8":
+                raise ValueError(f"fp8_block is for format 'fp8' only (None otherwise); got {self.fp8_block!r}")
+            check_fp8_block(self.fp8_block, "fp8_block")
+        check_flag("has_bias", self.has_bias)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -154,7 +155,10 @@ def quantize_experts(
     if scheme.has_bias:
         if w1_bias is None or w2_bias is None:
             raise ValueError("this scheme registers biases: give w1_bias [E, 2I] and w2_bias [E, H]")
-        out["w1_bias"], out["w2_bias"] = w1_bias.float().contiguous(), w2_bias.float().contiguous()
+        for name, bias, rows in (("w1_bias", w1_bias, w1.shape[:2]), ("w2_bias", w2_bias, w2.shape[:2])):
+            if tuple(bias.shape) != tuple(rows):
+                raise ValueError(f"{name} must be {list(rows)} (a row per expert and output), got {list(bias.shape)}")
+            out[name] = bias.float().contiguous()
     return {name: out[name] for name in scheme.names}
 
 

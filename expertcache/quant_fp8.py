@@ -35,7 +35,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128
         ``(fp8 [..., N, K] float8_e4m3fn, scale [..., ceil(N/bn), ceil(K/bk)] float32)``.
     """
     rows, cols = weight.shape[-2:]
-    bn, bk = _check_block(block)
+    bn, bk = check_fp8_block(block)
     padded = _pad_to_blocks(weight.float(), bn, bk)  # zeros never raise a block's max
     tiles = padded.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn))  # [..., Gn, bn, Gk, bk]
     amax = tiles.abs().amax(dim=(-3, -1))  # [..., Gn, Gk]
@@ -59,7 +59,7 @@ def dequantize_fp8_blocks(
         ``[..., N, K]`` float32.
     """
     rows, cols = weight.shape[-2:]
-    bn, bk = _check_block(block)
+    bn, bk = check_fp8_block(block)
     expected = (*weight.shape[:-2], -(-rows // bn), -(-cols // bk))
     if tuple(scale.shape) != expected:
         raise ValueError(f"scale must be {list(expected)} for weight {list(weight.shape)}, block {block}; "
@@ -86,9 +86,16 @@ def dequantize_fp8_per_tensor(weight: torch.Tensor, scale: torch.Tensor) -> torc
     return weight.float() * scale.float()[..., None, None]
 
 
-def _check_block(block: tuple[int, int]) -> tuple[int, int]:
-    if len(block) != 2 or not all(isinstance(size, int) and size >= 1 for size in block):
-        raise ValueError(f"block must be two positive ints (rows, columns), got {block!r}")
+def check_fp8_block(block: object, name: str = "block") -> tuple[int, int]:
+    """``block`` as ``(rows, columns)``: a pair of ints >= 1 (not bools: ``True`` is no size).
+
+    Raises:
+        ValueError: anything else (the message calls it ``name``).
+    """
+    if not (
+        isinstance(block, tuple | list) and len(block) == 2 and all(type(size) is int and size >= 1 for size in block)
+    ):
+        raise ValueError(f"{name} must be two positive ints (rows, columns), got {block!r:.60}")
     return block[0], block[1]
 
 

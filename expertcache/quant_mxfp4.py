@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from expertcache.validation import check_int
+
 #: Value of each e2m1 code (index = nibble).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # columns per scale
@@ -60,13 +62,17 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, columns: int | 
     Args:
         blocks: ``[..., N, G, 16]`` uint8.
         scales: ``[..., N, G]`` uint8 e8m0.
-        columns: ``K`` (default ``32 * G``); the padding columns past it are dropped.
+        columns: ``K`` (default ``32 * G``), in ``(32 * (G - 1), 32 * G]``; the padding
+            columns past it are dropped.
     """
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise TypeError(f"blocks and scales must be uint8, got {blocks.dtype}, {scales.dtype}")
     if blocks.shape[-1] != GROUP // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"blocks must be [..., N, G, 16] and scales [..., N, G]; got {list(blocks.shape)}, "
                          f"{list(scales.shape)}")  # fmt: skip
+    if columns is not None:  # a K of other groups would drop real columns or keep padding
+        groups = blocks.shape[-2]
+        columns = check_int("columns", columns, minimum=GROUP * (groups - 1) + 1, maximum=GROUP * groups)
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
     low, high = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]
     values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., N, G, 32], low nibble first

@@ -28,8 +28,8 @@ import torch
 from expertcache.compression import COMPRESSIONS, FLOAT16_FIELDS, ExponentCode, RecordFormat, analyse, write_records
 from expertcache.compression import decode_records_torch as decode_records
 from expertcache.errors import PinBudgetError
-from expertcache.layout import ExpertLayout
-from expertcache.validation import check_pin_budget_bytes
+from expertcache.layout import ExpertLayout, ExpertTensorSpec, layout_from_weights
+from expertcache.validation import check_flag, check_int, check_pin_budget_bytes
 
 #: Stores coding more bytes than this show progress bars while they are encoded.
 _PROGRESS_BYTES = 1 << 28
@@ -109,11 +109,12 @@ class CPUBackingStore:
     ) -> None:
         if not isinstance(layout, ExpertLayout):
             raise TypeError(f"layout must be an ExpertLayout (layout_from_weights), got {type(layout).__name__}")
-        if not isinstance(weights, Mapping):
-            raise TypeError(f"weights must map names to [E, ...] tensors, got {type(weights).__name__}")
+        num_experts, given = layout_from_weights(weights)
+        layout.check_compatible(given, what="weights", holder="the layout")  # copy_ would cast or broadcast
+        check_flag("pin", pin)
         pin_budget_bytes = check_pin_budget_bytes(pin_budget_bytes)  # before any coding pass runs
         check_compression(compression, layout)
-        num_experts = int(weights["w1"].shape[0])
+        _check_coding_settings(compression, encode_device, progress)
         coder = _Coder(layout, weights, encode_device, progress) if compression else None
         analyses = coder.analyse() if coder else {}
         self.formats: dict[str, RecordFormat] = {name: analysis.format for name, analysis in analyses.items()}
@@ -160,11 +161,28 @@ class CPUBackingStore:
         the host; ``layout.expert_bytes`` without compression."""
         return sum(self.formats[s.name].record_bytes if s.name in self.formats else s.nbytes for s in self.layout.specs)
 
+    def spec(self, name: object) -> ExpertTensorSpec:
+        """The registered tensor ``name``.
+
+        Raises:
+            KeyError: ``name`` is not registered (the message lists the names that are).
+        """
+        for spec in self.layout.specs:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"{name!r} is not a registered tensor; the store holds {[s.name for s in self.layout.specs]}")
+
     def expert(self, name: str, index: int) -> torch.Tensor:
-        """Expert ``index``'s tensor ``name`` ``[*shape]``: a view (raw) or a decoded copy (coded)."""
+        """Expert ``index``'s tensor ``name`` ``[*shape]``: a view (raw) or a decoded copy (coded).
+
+        Raises:
+            KeyError: ``name`` is not registered. TypeError: ``index`` is not an int.
+            ValueError: ``index`` is outside ``[0, num_experts)``.
+        """
+        spec = self.spec(name)
+        index = check_int("index", index, minimum=0, maximum=self.num_experts - 1, expected="an int (expert index)")
         if name not in self.records:
             return self.tensors[name][index]
-        spec = next(s for s in self.layout.specs if s.name == name)
         return decode_records(self.records[name][index : index + 1], self.formats[name]).view(spec.shape)
 
 
@@ -177,7 +195,7 @@ class _StoredTensors(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._raw:
             return self._raw[name]
-        spec = next(s for s in self._store.layout.specs if s.name == name)  # KeyError below if absent
+        spec = self._store.spec(name)  # KeyError if absent: `in` and `get` rely on it
         records = self._store.records[name]
         return decode_records(records, self._store.formats[name]).view(records.shape[0], *spec.shape)
 
@@ -203,6 +221,16 @@ def check_compression(compression: object, layout: ExpertLayout) -> None:
         )
 
 
+def _check_coding_settings(compression: str | None, encode_device: object, progress: object) -> None:
+    """Refuse a progress that is not a bool or None, and coding settings that would change
+    nothing: an ``encode_device`` or ``progress=True`` without compression."""
+    if progress is not None:
+        check_flag("progress", progress)
+    given = "encode_device" if encode_device is not None else "progress=True" if progress else None
+    if compression is None and given:
+        raise ValueError(f"{given} applies with compression='exponent'; without compression nothing is coded")
+
+
 def encoding_device(weights: Mapping[str, torch.Tensor], requested: torch.device | str | None = None) -> torch.device:
     """Where a store codes ``weights``: ``requested``; else the GPU ``w1`` is on; else the
     current GPU when this machine has one (the passes are vectorised torch: ~7 M values/s
@@ -224,7 +252,7 @@ class _Coder:
         self.layout, self.weights = layout, weights
         self.device = encoding_device(weights, device)
         coded = sum(weights[s.name].nbytes for s in layout.specs if s.dtype in FLOAT16_FIELDS)
-        self.progress = coded > _PROGRESS_BYTES if progress is None else bool(progress)
+        self.progress = coded > _PROGRESS_BYTES if progress is None else progress
 
     def _label(self, what: str, name: str) -> str | None:
         return f"{what} {name} on {self.device}" if self.progress else None
