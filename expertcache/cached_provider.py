@@ -139,16 +139,19 @@ class CachedWeightProvider(ExpertWeightProvider):
         return frozenset(np.flatnonzero(self.pool.expert_to_slot(self.layer) >= 0).tolist())
 
     def slot_of(self, expert_id: int) -> int:
-        """Slot holding local expert ``expert_id``, or -1."""
-        if not 0 <= int(expert_id) < self.num_experts:
-            raise IndexError(f"expert {expert_id} is outside [0, {self.num_experts})")
-        return int(self.pool.expert_to_slot(self.layer)[int(expert_id)])
+        """Slot holding local expert ``expert_id`` (an int, numpy's too), or -1."""
+        expert = check_int("expert_id", expert_id)
+        if not 0 <= expert < self.num_experts:
+            raise IndexError(f"expert {expert} is outside [0, {self.num_experts})")
+        return int(self.pool.expert_to_slot(self.layer)[expert])
 
     def expert_in(self, slot: int) -> int:
-        """Local expert held by ``slot`` for this layer, or -1 (free, or another layer's)."""
-        if not 0 <= int(slot) < self.pool.num_slots:
-            raise IndexError(f"slot {slot} is outside [0, {self.pool.num_slots})")
-        return self.pool.expert_in(self.layer, int(slot))
+        """Local expert held by ``slot`` (an int, numpy's too) for this layer, or -1 (free, or
+        another layer's)."""
+        number = check_int("slot", slot)
+        if not 0 <= number < self.pool.num_slots:
+            raise IndexError(f"slot {number} is outside [0, {self.pool.num_slots})")
+        return self.pool.expert_in(self.layer, number)
 
     def manifest(self) -> Manifest:
         """Registered tensors, slots and bytes of this layer (see `expertcache.manifest`)."""

@@ -23,7 +23,13 @@ from expertcache.kernels import remap_topk_ids
 from expertcache.layout import layout_from_weights
 from expertcache.result import ExpertWeightResult, Landing
 from expertcache.stats import CacheStats
-from expertcache.validation import check_expert_map, check_flag, check_overlap, check_topk_ids
+from expertcache.validation import (
+    check_expert_map,
+    check_flag,
+    check_ids_in_range,
+    check_overlap,
+    check_topk_ids,
+)
 
 _NAMED = ("w1", "w2", "w1_scale", "w2_scale")
 
@@ -147,8 +153,11 @@ class FullGPUProvider(ExpertWeightProvider):
         expert_map: optional ``[E_global]`` int32 map global id -> local index or -1 (EP);
             ``weights`` then hold only the local experts.
 
-    ``prepare`` checks only the metadata of ``topk_ids`` (no host sync); its only work is
-    applying ``expert_map``.
+    ``prepare`` never syncs: it checks the metadata of ``topk_ids``, and their values only
+    when they are on the CPU (``IndexError`` for an id outside ``[0, E_global)``, as a
+    host-mode cache raises); its only work is applying ``expert_map``. GPU ids are not read:
+    without a map, an id outside ``[0, E)`` reaches the kernel (`expertcache.kernels.moe_apply`
+    skips it and can count it, ``invalid_ids``); through a map, it comes out -1.
     """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], *, expert_map: torch.Tensor | None = None) -> None:
@@ -164,12 +173,16 @@ class FullGPUProvider(ExpertWeightProvider):
                 )
         self.num_experts = num_experts
         self._tensors = dict(weights)
+        self.num_global_experts = num_experts
         self._expert_map = None
         if expert_map is not None:
             self._expert_map = check_expert_map(expert_map, num_experts).to(self.device)
+            self.num_global_experts = int(self._expert_map.numel())
 
     def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
         check_topk_ids(topk_ids, self.device)
+        if topk_ids.device.type == "cpu" and not torch.compiler.is_compiling():  # read without a sync
+            check_ids_in_range(topk_ids, self.num_global_experts)
         if self._expert_map is not None:
             return result_from_tensors(self._tensors, remap_topk_ids(topk_ids, self._expert_map))
         return result_from_tensors(self._tensors, topk_ids.contiguous())

@@ -58,8 +58,8 @@ def check_mode_device(device: torch.device) -> None:
 
 
 def check_flag(name: str, value: object) -> bool:
-    """A promise such as ``passes(..., overlap=)`` or ``landing=`` is a bool (a truthy
-    string or tensor is not a promise)."""
+    """A yes/no setting (``passes(..., overlap=)``, ``landing=``, an apply's ``fp32_out=``)
+    is a bool (a truthy string or tensor is not a promise)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return value
@@ -110,14 +110,18 @@ def is_dense(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and not tensor.is_nested
 
 
+def layout_name(tensor: torch.Tensor) -> str:
+    """What kind of tensor it is, for errors: ``"nested"``, ``"sparse_coo"``, ``"strided"``, ..."""
+    return "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+
+
 def check_topk_ids(topk_ids: object, device: torch.device, *, name: str = "topk_ids") -> torch.Tensor:
     """Check ``topk_ids`` is a dense int32/int64 ``[T, K]`` tensor on ``device`` (metadata only);
     errors call it ``name``."""
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(topk_ids).__name__}")
     if not is_dense(topk_ids):
-        kind = "nested" if topk_ids.is_nested else str(topk_ids.layout).removeprefix("torch.")
-        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} tensor")
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {layout_name(topk_ids)} tensor")
     if topk_ids.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64 expert ids, got {topk_ids.dtype}")
     if topk_ids.dim() != 2:
@@ -125,6 +129,20 @@ def check_topk_ids(topk_ids: object, device: torch.device, *, name: str = "topk_
     if topk_ids.device != device:
         raise ValueError(f"{name} is on {topk_ids.device}, but the expert weights are on {device}")
     return topk_ids
+
+
+def check_ids_in_range(topk_ids: torch.Tensor, num_ids: int, *, name: str = "topk_ids") -> None:
+    """Check every id of a CPU ``topk_ids`` is in ``[0, num_ids)`` (a GPU tensor's values would
+    need a sync to read: device paths map such ids to -1 instead).
+
+    Raises:
+        IndexError: an id outside ``[0, num_ids)``, named in the message.
+    """
+    if topk_ids.numel() == 0:
+        return
+    low, high = (int(bound) for bound in torch.aminmax(topk_ids))
+    if low < 0 or high >= num_ids:
+        raise IndexError(f"expert id {low if low < 0 else high} in {name} is outside [0, {num_ids})")
 
 
 def check_expert_map(expert_map: object, num_local_experts: int) -> torch.Tensor:

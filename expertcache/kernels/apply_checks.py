@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from expertcache.kernels._launch import runs_on
+from expertcache.validation import check_int
 
 
 def check_scales(w1, w2, w1_scale, w2_scale, block: int) -> None:
@@ -14,8 +15,7 @@ def check_scales(w1, w2, w1_scale, w2_scale, block: int) -> None:
         raise ValueError("give both w1_scale and w2_scale, or neither")
     if w1_scale is None:
         return
-    if not isinstance(block, int) or block < 1:
-        raise ValueError(f"scale_block must be a positive int, got {block!r}")
+    check_int("scale_block", block, minimum=1, expected="a positive int")
     for name, scales, weights in (("w1_scale", w1_scale, w1), ("w2_scale", w2_scale, w2)):
         expected = (weights.shape[0], -(-weights.shape[1] // block), -(-weights.shape[2] // block))
         if tuple(scales.shape) != expected:
@@ -66,6 +66,11 @@ def check_apply_inputs(hidden, w1, w2, topk_weights, topk_ids) -> None:
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if not hidden.is_floating_point() or not topk_weights.is_floating_point():
         raise TypeError(f"hidden and topk_weights must be floating point, got {hidden.dtype}, {topk_weights.dtype}")
+    if not w1.is_floating_point() or not w2.is_floating_point():
+        raise TypeError(
+            f"w1 and w2 must be floating-point weights (fp32, fp16, bf16 or fp8), got {w1.dtype}, {w2.dtype}; "
+            f"packed or integer formats go through expertcache.kernels.moe_apply_quant"
+        )
     for name, tensor in (("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if tensor.device != hidden.device:
             raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")

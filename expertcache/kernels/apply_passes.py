@@ -31,9 +31,16 @@ import torch
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.apply_checks import check_apply_inputs, check_call_inputs, check_scales
 from expertcache.kernels.expert_apply import launch_pairs, launch_sum
-from expertcache.kernels.grouped_apply import _TENSOR_CORE_DTYPES, default_tiles, launch_grouped_pairs, takes_grouped
+from expertcache.kernels.grouped_apply import (
+    _TENSOR_CORE_DTYPES,
+    check_grouped_weights,
+    default_tiles,
+    launch_grouped_pairs,
+    takes_grouped,
+)
 from expertcache.kernels.landing import check_landed
 from expertcache.result import ExpertWeightResult, Landing
+from expertcache.validation import check_flag
 
 
 class PassLaunch(NamedTuple):
@@ -71,6 +78,7 @@ def sum_over_passes(
     iterator's weights are checked as each pass comes.
     """
     check_call_inputs(hidden, topk_weights)
+    check_flag("fp32_out", fp32_out)
     tokens, top_k = topk_weights.shape
     preview = getattr(results, "preview", None)
     if callable(preview):  # checks only (shapes, dtypes, devices): the tensors every pass will hold
@@ -137,6 +145,8 @@ def moe_apply_passes(
         w1, w2 = result.w1, result.w2
         check_apply_inputs(hidden, w1, w2, topk_weights, result.topk_ids)
         check_scales(w1, w2, result.w1_scale, result.w2_scale, scale_block)
+        if kernel == "grouped":
+            check_grouped_weights(w1, w2, result.w1_scale)
         if not chosen:
             chosen.append(takes_grouped(w1, w2, result.w1_scale, pairs) if kernel == "auto" else kernel == "grouped")
 

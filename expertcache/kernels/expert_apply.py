@@ -29,6 +29,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from expertcache.kernels._launch import chained, on_device, program_rows
 from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
 from expertcache.kernels.landing import wait_landed
+from expertcache.validation import check_flag
 
 
 @triton.jit
@@ -191,6 +192,7 @@ def moe_apply(
         invalid_ids.dtype != torch.int64 or invalid_ids.numel() != 1 or invalid_ids.device != hidden.device
     ):
         raise ValueError(f"invalid_ids must be a [1] int64 counter on {hidden.device}")
+    check_flag("fp32_out", fp32_out)
     # Eagerly the implementation runs directly (the dispatcher costs ~10 us a call).
     run = torch.ops.expertcache.moe_apply if torch.compiler.is_compiling() else _moe_apply
     out, invalid = run(hidden, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, scale_block, fp32_out)

@@ -31,6 +31,7 @@ from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
 from expertcache.kernels.expert_apply import landing_args, launch_sum, moe_apply
 from expertcache.kernels.grouped_routing import sort_pairs_by_expert
 from expertcache.kernels.landing import wait_landed
+from expertcache.validation import check_flag
 
 #: Pairs (``T*K``) from which `moe_apply_auto` takes the grouped GEMM over the GEMV. Set from
 #: the crossover benchmarks/bench_apply.py printed on one H200 (Qwen3-30B-A3B shapes, bf16,
@@ -175,11 +176,9 @@ def moe_apply_grouped(
     """
     check_apply_inputs(hidden, w1, w2, topk_weights, topk_ids)
     check_scales(w1, w2, w1_scale, w2_scale, scale_block)
-    if w1_scale is not None:
-        raise NotImplementedError("moe_apply_grouped has no block scales yet: use moe_apply (or moe_apply_auto)")
-    if w1.dtype not in (torch.float32, *_TENSOR_CORE_DTYPES) or w2.dtype not in (torch.float32, *_TENSOR_CORE_DTYPES):
-        raise NotImplementedError(f"moe_apply_grouped takes fp32/fp16/bf16 weights, got {w1.dtype}, {w2.dtype}")
+    check_grouped_weights(w1, w2, w1_scale)
     _check_counter(invalid_ids, hidden.device)
+    check_flag("fp32_out", fp32_out)
     *defaults, num_warps, num_stages = default_tiles(
         topk_ids.numel(), w2.shape[1], w2.shape[2], w1.dtype in _TENSOR_CORE_DTYPES
     )
@@ -217,6 +216,18 @@ def moe_apply_auto(
     apply = moe_apply_grouped if takes_grouped(w1, w2, w1_scale, topk_ids.numel()) else moe_apply
     return apply(hidden, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale, w2_scale=w2_scale,
                  scale_block=scale_block, invalid_ids=invalid_ids, fp32_out=fp32_out)  # fmt: skip
+
+
+def check_grouped_weights(w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor | None) -> None:
+    """What the grouped GEMM computes: fp32/fp16/bf16 weights without block scales.
+
+    Raises:
+        NotImplementedError: block scales, or weights of another dtype (fp8): `moe_apply` takes them.
+    """
+    if w1_scale is not None:
+        raise NotImplementedError("the grouped apply has no block scales yet: use moe_apply (or moe_apply_auto)")
+    if w1.dtype not in (torch.float32, *_TENSOR_CORE_DTYPES) or w2.dtype not in (torch.float32, *_TENSOR_CORE_DTYPES):
+        raise NotImplementedError(f"the grouped apply takes fp32/fp16/bf16 weights, got {w1.dtype}, {w2.dtype}")
 
 
 def takes_grouped(w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor | None, num_pairs: int) -> bool:

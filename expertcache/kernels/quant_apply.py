@@ -47,6 +47,7 @@ from expertcache.kernels.quant_common import (
 )
 from expertcache.quant import QuantScheme, quant_moe_forward, weights_of
 from expertcache.result import ExpertWeightResult
+from expertcache.validation import check_flag
 
 
 class Tile(NamedTuple):
@@ -291,6 +292,7 @@ def moe_apply_quant(
     """
     ops = quant_operands(hidden, weights_of(weights), topk_weights, topk_ids, scheme)
     _check_counter(invalid_ids, hidden.device)
+    check_flag("fp32_out", fp32_out)
     tokens, top_k = topk_ids.shape
     out_dtype = torch.float32 if fp32_out else hidden.dtype
     if tokens == 0 or top_k == 0:  # the mixture of no expert is zero

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import on_device, runs_on
+from expertcache.validation import is_dense, layout_name
 
 _BLOCK = 1024
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -124,6 +125,8 @@ def _check(topk_ids: torch.Tensor, mapping: torch.Tensor, out: torch.Tensor | No
             continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+        if not is_dense(tensor):
+            raise TypeError(f"{name} must be a dense (strided) tensor, got a {layout_name(tensor)} tensor")
         if tensor.dtype not in _INDEX_DTYPES:
             raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
         if tensor.device != topk_ids.device:
