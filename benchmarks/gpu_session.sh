@@ -49,7 +49,7 @@ for step in $steps; do
       done ;;
     suite-parallel)  # the same suite in SUITE_WORKERS processes (pytest-xdist carried in .whl/), then
       # whatever failed once more, serially: a failure of both is a failure
-      timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -n ${SUITE_WORKERS:-6} -o cache_dir=/tmp/pytest-cache \
+      timeout ${SUITE_TIMEOUT:-560} python3 -m pytest -q -n ${SUITE_WORKERS:-14} -o cache_dir=/tmp/pytest-cache \
         -o faulthandler_timeout=${TEST_STALL_S:-150} --durations=12 2>&1 | tee "$OUT/suite.log" | tail -40
       if grep -qE "[0-9]+ (failed|error)" "$OUT/suite.log"; then
         echo "--- failed tests again, serially"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from conftest import devices
@@ -255,6 +256,12 @@ def test_rejects_what_it_cannot_do(device):
     for bad in (0, 8, 24):
         with pytest.raises(ValueError, match="power of two"):
             moe_apply_grouped(x, w1, w2, router, ids, block_m=bad)
+    for bad in (32.0, True):  # a whole float or a bool is no tile size; numpy's ints are
+        with pytest.raises(TypeError, match="block_m must be a power of two"):
+            moe_apply_grouped(x, w1, w2, router, ids, block_m=bad)
+    torch.testing.assert_close(
+        moe_apply_grouped(x, w1, w2, router, ids, block_m=np.int64(16)), moe_apply_grouped(x, w1, w2, router, ids)
+    )
     with pytest.raises(ValueError, match="counter"):
         moe_apply_grouped(x, w1, w2, router, ids, invalid_ids=torch.zeros(1, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="disagree"):

@@ -16,6 +16,7 @@ from expertcache.kernels import (
     moe_apply_grouped,
     moe_apply_passes,
     moe_apply_quant,
+    moe_apply_quant_grouped,
     moe_apply_torch,
     remap_topk_ids,
 )
@@ -93,15 +94,16 @@ def test_views_take_an_int_not_something_int_accepts(view, value):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("apply", ["moe_apply", "moe_apply_grouped", "moe_apply_quant"])
+@pytest.mark.parametrize("apply", ["moe_apply", "moe_apply_grouped", "moe_apply_quant", "moe_apply_quant_grouped"])
 def test_an_apply_refuses_a_truthy_non_bool_fp32_out(device, apply):
     """``fp32_out="no"`` returned fp32 (the string is truthy)."""
     hidden, router, ids = _call(device)
     weights = {name: t.to(device) for name, t in random_weights(NUM_EXPERTS, HIDDEN, INTER).items()}
 
     def run(fp32_out):
-        if apply == "moe_apply_quant":
-            return moe_apply_quant(hidden, weights, router, ids, scheme=QuantScheme("none"), fp32_out=fp32_out)
+        if apply.startswith("moe_apply_quant"):
+            quant = moe_apply_quant if apply == "moe_apply_quant" else moe_apply_quant_grouped
+            return quant(hidden, weights, router, ids, scheme=QuantScheme("none"), fp32_out=fp32_out)
         return globals()[apply](hidden, weights["w1"], weights["w2"], router, ids, fp32_out=fp32_out)
 
     with pytest.raises(TypeError, match="fp32_out must be True or False, got 'no'"):

@@ -74,3 +74,14 @@ def check_apply_inputs(hidden, w1, w2, topk_weights, topk_ids) -> None:
     for name, tensor in (("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if tensor.device != hidden.device:
             raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")
+
+
+def check_invalid_counter(invalid_ids: torch.Tensor | None, device: torch.device) -> None:
+    """An apply's optional ``invalid_ids`` counter: a ``[1]`` int64 tensor on ``device``."""
+    if invalid_ids is not None and (
+        not isinstance(invalid_ids, torch.Tensor)
+        or invalid_ids.dtype != torch.int64
+        or invalid_ids.numel() != 1
+        or invalid_ids.device != device
+    ):
+        raise ValueError(f"invalid_ids must be a [1] int64 counter on {device}")

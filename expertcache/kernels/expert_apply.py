@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from expertcache.kernels._launch import chained, on_device, program_rows
-from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
+from expertcache.kernels.apply_checks import check_apply_inputs, check_invalid_counter, check_scales
 from expertcache.kernels.landing import wait_landed
 from expertcache.validation import check_flag
 
@@ -188,10 +188,7 @@ def moe_apply(
     """
     check_apply_inputs(hidden, w1, w2, topk_weights, topk_ids)
     check_scales(w1, w2, w1_scale, w2_scale, scale_block)
-    if invalid_ids is not None and (
-        invalid_ids.dtype != torch.int64 or invalid_ids.numel() != 1 or invalid_ids.device != hidden.device
-    ):
-        raise ValueError(f"invalid_ids must be a [1] int64 counter on {hidden.device}")
+    check_invalid_counter(invalid_ids, hidden.device)
     check_flag("fp32_out", fp32_out)
     # Eagerly the implementation runs directly (the dispatcher costs ~10 us a call).
     run = torch.ops.expertcache.moe_apply if torch.compiler.is_compiling() else _moe_apply

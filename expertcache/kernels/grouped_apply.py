@@ -27,11 +27,11 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import on_device
-from expertcache.kernels.apply_checks import check_apply_inputs, check_scales
+from expertcache.kernels.apply_checks import check_apply_inputs, check_invalid_counter, check_scales
 from expertcache.kernels.expert_apply import landing_args, launch_sum, moe_apply
 from expertcache.kernels.grouped_routing import sort_pairs_by_expert
 from expertcache.kernels.landing import wait_landed
-from expertcache.validation import check_flag
+from expertcache.validation import check_flag, check_int
 
 #: Pairs (``T*K``) from which `moe_apply_auto` takes the grouped GEMM over the GEMV. Set from
 #: the crossover benchmarks/bench_apply.py printed on one H200 (Qwen3-30B-A3B shapes, bf16,
@@ -177,18 +177,16 @@ def moe_apply_grouped(
     check_apply_inputs(hidden, w1, w2, topk_weights, topk_ids)
     check_scales(w1, w2, w1_scale, w2_scale, scale_block)
     check_grouped_weights(w1, w2, w1_scale)
-    _check_counter(invalid_ids, hidden.device)
+    check_invalid_counter(invalid_ids, hidden.device)
     check_flag("fp32_out", fp32_out)
     *defaults, num_warps, num_stages = default_tiles(
         topk_ids.numel(), w2.shape[1], w2.shape[2], w1.dtype in _TENSOR_CORE_DTYPES
     )
     given = (block_m, block_n, block_k)
     block_m, block_n, block_k = (
-        default if size is None else size for size, default in zip(given, defaults, strict=True)
+        _tile_size(name, default if size is None else size)
+        for name, size, default in zip(("block_m", "block_n", "block_k"), given, defaults, strict=True)
     )
-    for name, size in zip(("block_m", "block_n", "block_k"), (block_m, block_n, block_k), strict=True):
-        if not isinstance(size, int) or size < 16 or size & (size - 1):
-            raise ValueError(f"{name} must be a power of two of at least 16 (tl.dot's smallest tile), got {size!r}")
     # Eagerly the implementation runs directly (the dispatcher costs ~10 us a call).
     run = torch.ops.expertcache.moe_apply_grouped if torch.compiler.is_compiling() else _moe_apply_grouped
     tiles = (block_m, block_n, block_k, num_warps, num_stages)
@@ -218,6 +216,15 @@ def moe_apply_auto(
                  scale_block=scale_block, invalid_ids=invalid_ids, fp32_out=fp32_out)  # fmt: skip
 
 
+def _tile_size(name: str, size: object) -> int:
+    """A tile size as a Python int: a power of two of at least 16 (numpy's ints too)."""
+    expected = "a power of two of at least 16 (tl.dot's smallest tile)"
+    number = check_int(name, size, expected=expected)  # never a bool or a float
+    if number < 16 or number & (number - 1):
+        raise ValueError(f"{name} must be {expected}, got {number!r}")
+    return number
+
+
 def check_grouped_weights(w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor | None) -> None:
     """What the grouped GEMM computes: fp32/fp16/bf16 weights without block scales.
 
@@ -234,13 +241,6 @@ def takes_grouped(w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor | N
     """Whether `moe_apply_auto` runs the grouped GEMM for a call of ``num_pairs`` pairs."""
     dtypes = (torch.float32, *_TENSOR_CORE_DTYPES)
     return num_pairs >= GROUPED_MIN_PAIRS and w1_scale is None and w1.dtype in dtypes and w2.dtype in dtypes
-
-
-def _check_counter(invalid_ids: torch.Tensor | None, device: torch.device) -> None:
-    if invalid_ids is not None and (
-        invalid_ids.dtype != torch.int64 or invalid_ids.numel() != 1 or invalid_ids.device != device
-    ):
-        raise ValueError(f"invalid_ids must be a [1] int64 counter on {device}")
 
 
 def _moe_apply_grouped(

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import on_device, program_rows
+from expertcache.kernels.apply_checks import check_invalid_counter
 from expertcache.kernels.expert_apply import launch_sum
 from expertcache.kernels.quant_common import (
     E2M1_PAIR_UNSCALE,
@@ -291,7 +292,7 @@ def moe_apply_quant(
         ``[T, H]`` in ``hidden``'s dtype (fp32 with ``fp32_out``), accumulated in fp32.
     """
     ops = quant_operands(hidden, weights_of(weights), topk_weights, topk_ids, scheme)
-    _check_counter(invalid_ids, hidden.device)
+    check_invalid_counter(invalid_ids, hidden.device)
     check_flag("fp32_out", fp32_out)
     tokens, top_k = topk_ids.shape
     out_dtype = torch.float32 if fp32_out else hidden.dtype
@@ -363,10 +364,3 @@ def _check_tile(tile: Tile, format: int) -> None:
             raise ValueError(f"Tile.{name} must be a power of two, got {size!r}")
     if format == FORMAT_MXFP4 and tile.chunks != 1:
         raise ValueError(f"MXFP4 steps are whole groups of 32: Tile.chunks must be 1, got {tile.chunks}")
-
-
-def _check_counter(invalid_ids: torch.Tensor | None, device: torch.device) -> None:
-    if invalid_ids is not None and (
-        invalid_ids.dtype != torch.int64 or invalid_ids.numel() != 1 or invalid_ids.device != device
-    ):
-        raise ValueError(f"invalid_ids must be a [1] int64 counter on {device}")

@@ -27,10 +27,10 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import on_device
+from expertcache.kernels.apply_checks import check_invalid_counter
 from expertcache.kernels.expert_apply import launch_sum
 from expertcache.kernels.grouped_apply import default_tiles
 from expertcache.kernels.grouped_routing import sort_pairs_by_expert
-from expertcache.kernels.quant_apply import _check_counter
 from expertcache.kernels.quant_common import (
     FORMAT_MXFP4,
     FORMAT_NONE,
@@ -43,6 +43,7 @@ from expertcache.kernels.quant_common import (
 )
 from expertcache.quant import QuantScheme, weights_of
 from expertcache.result import ExpertWeightResult
+from expertcache.validation import check_flag
 
 
 @triton.jit
@@ -186,7 +187,8 @@ def moe_apply_quant_grouped(
         for 16-bit ``hidden`` the intermediate activation is rounded to its dtype.
     """
     ops = quant_operands(hidden, weights_of(weights), topk_weights, topk_ids, scheme)
-    _check_counter(invalid_ids, hidden.device)
+    check_invalid_counter(invalid_ids, hidden.device)
+    check_flag("fp32_out", fp32_out)
     tiles = quant_tiles(hidden, ops, topk_ids.numel(), block_m, block_n)
     tokens, top_k = topk_ids.shape
     out_dtype = torch.float32 if fp32_out else hidden.dtype
