@@ -34,6 +34,8 @@ in both its quantised and its 16-bit form (GPT-OSS's MXFP4 and bf16 checkpoints)
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -59,6 +61,10 @@ GATE_UP_LAYOUTS = ("concatenated", "interleaved")
 ACTIVATIONS = ("silu", "swiglu_oai")
 
 
+#: GPT-OSS's clamped SwiGLU constants: ``gate * sigmoid(alpha * gate)``, both clamped at ``limit``.
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
 @dataclass(frozen=True, slots=True)
 class QuantScheme:
     """A storage format and the gated expert MLP around it (see the module docstring).
@@ -79,8 +85,8 @@ class QuantScheme:
     fp8_block: tuple[int, int] | None = None
     gate_up: str = "concatenated"
     activation: str = "silu"
-    alpha: float = 1.702
-    limit: float = 7.0
+    alpha: float = SWIGLU_OAI_ALPHA
+    limit: float = SWIGLU_OAI_LIMIT
     has_bias: bool = False
 
     def __post_init__(self) -> None:
@@ -95,6 +101,22 @@ class QuantScheme:
                 raise ValueError(f"fp8_block is for format 'fp8' only (None otherwise); got {self.fp8_block!r}")
             check_fp8_block(self.fp8_block, "fp8_block")
         check_flag("has_bias", self.has_bias)
+        self._check_constants()
+
+    def _check_constants(self) -> None:
+        """``alpha`` and ``limit``: positive finite numbers, given only for ``"swiglu_oai"``
+        (``"silu"`` has no constants: another value there would be ignored)."""
+        for name in ("alpha", "limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r:.40}")
+            if not (math.isfinite(value) and float(value) > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        if self.activation == "silu" and (self.alpha, self.limit) != (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT):
+            raise ValueError(
+                f"alpha and limit are activation 'swiglu_oai''s constants; 'silu' has none "
+                f"(got alpha={self.alpha!r}, limit={self.limit!r})"
+            )
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -152,6 +174,8 @@ def quantize_experts(
             out[name], out[f"{name}_scale"] = quantize_fp8_per_tensor(weight)
         else:
             out[name], out[f"{name}_scale"] = quantize_fp8_blocks(weight, scheme.fp8_block)
+    if not scheme.has_bias and (w1_bias is not None or w2_bias is not None):
+        raise ValueError("this scheme registers no biases (has_bias=False): they would be dropped; give none")
     if scheme.has_bias:
         if w1_bias is None or w2_bias is None:
             raise ValueError("this scheme registers biases: give w1_bias [E, 2I] and w2_bias [E, H]")

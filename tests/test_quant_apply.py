@@ -78,7 +78,8 @@ def float_experts(num_experts, hidden, inter, gen, *, gain=1.0):
 
 def quantize(scheme, floats, dtype):
     """``scheme``'s tensors; unquantised weights in ``dtype`` (the activations')."""
-    return quantize_experts(scheme, *floats, **({"dtype": dtype} if scheme.format == "none" else {}))
+    given = floats if scheme.has_bias else floats[:2]  # biases only where the scheme registers them
+    return quantize_experts(scheme, *given, **({"dtype": dtype} if scheme.format == "none" else {}))
 
 
 def poisoned(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
@@ -358,7 +359,7 @@ def test_unquantized_scheme_registers_weights_and_biases_only():
 def test_bad_inputs_raise(device):
     gen = torch.Generator().manual_seed(3)
     floats = float_experts(3, 32, 16, gen)
-    fp8 = {name: t.to(device) for name, t in quantize_experts(FP8_BLOCK_128, *floats).items()}
+    fp8 = {name: t.to(device) for name, t in quantize_experts(FP8_BLOCK_128, *floats[:2]).items()}
     mxfp4 = {name: t.to(device) for name, t in quantize_experts(GPT_OSS_MXFP4, *floats).items()}
     x, router = torch.randn(2, 32, device=device), torch.rand(2, 2, device=device)
     ids = torch.zeros(2, 2, dtype=torch.long, device=device)
@@ -380,7 +381,7 @@ def test_bad_inputs_raise(device):
     with pytest.raises(ValueError, match="lack"):
         moe_apply_quant(x, {"w1": dense["w1"], "w2": dense["w2"]}, router, ids, scheme=GPT_OSS_BF16)
     odd = QuantScheme("fp8", fp8_block=(8, 8))  # K steps of 8 columns: too small for tl.dot
-    odd_tensors = {name: t.to(device) for name, t in quantize_experts(odd, *floats).items()}
+    odd_tensors = {name: t.to(device) for name, t in quantize_experts(odd, *floats[:2]).items()}
     with pytest.raises(NotImplementedError, match="scale blocks"):
         moe_apply_quant_grouped(x, odd_tensors, router, ids, scheme=odd)
     tokens = QUANT_GROUPED_MIN_PAIRS[FORMAT_CODES["fp8"]] // 2  # "auto" would take the grouped GEMM: falls back

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import pytest
 import torch
 from helpers import random_topk
@@ -219,7 +220,8 @@ def test_silu_concatenated_scheme_is_the_project_reference():
 def test_quantize_experts_registers_the_scheme_names(scheme):
     gen = torch.Generator().manual_seed(9)
     w1, w2 = torch.randn(3, 2 * 20, 36, generator=gen), torch.randn(3, 36, 20, generator=gen)
-    tensors = quantize_experts(scheme, w1, w2, torch.zeros(3, 40), torch.zeros(3, 36))
+    biases = (torch.zeros(3, 40), torch.zeros(3, 36)) if scheme.has_bias else ()
+    tensors = quantize_experts(scheme, w1, w2, *biases)
     assert tuple(tensors) == scheme.names
     assert all(t.shape[0] == 3 and t.is_contiguous() for t in tensors.values())
     back1, back2 = dequantize_experts(scheme, tensors, hidden_size=36)
@@ -236,3 +238,11 @@ def test_scheme_rejects_nonsense():
         QuantScheme("fp8", gate_up="stacked")
     with pytest.raises(ValueError, match="biases"):
         quantize_experts(GPT_OSS_MXFP4, torch.zeros(1, 4, 32), torch.zeros(1, 32, 2))
+    with pytest.raises(ValueError, match=r"registers no biases \(has_bias=False\): they would be dropped"):
+        quantize_experts(FP8_BLOCK_128, torch.zeros(1, 4, 32), torch.zeros(1, 32, 2), torch.zeros(1, 4), None)
+    for bad, error in (("7", TypeError), (True, TypeError), (float("nan"), ValueError), (0.0, ValueError)):
+        with pytest.raises(error, match="limit must be"):
+            QuantScheme("mxfp4", activation="swiglu_oai", limit=bad)
+    with pytest.raises(ValueError, match="'silu' has none"):  # it would be ignored
+        QuantScheme("fp8", alpha=1.0)
+    assert QuantScheme("none", activation="swiglu_oai", alpha=np.float32(1.5), limit=3).limit == 3
