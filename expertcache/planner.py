@@ -17,7 +17,8 @@ top-k to its experts per layer), so the recommendation is always one ``generate`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +27,7 @@ from expertcache.manifest import MAX_EXPERT_BYTES
 from expertcache.sim import ReplayResult, TraceCalls, replay_streams, trace_calls, unbounded
 from expertcache.sim.replay import check_overlap_limit
 from expertcache.trace import RoutingTrace
+from expertcache.validation import check_int
 
 #: Policies a runtime cache can use (Belady is the bound, not a choice).
 RUNTIME_POLICIES = ("lru", "lfu", "slru", "arc", "lfru", "least_stale", "gdsf")
@@ -169,14 +171,16 @@ def plan(
         raise ValueError(f"oversize must be 'passes' or 'overlapped', got {oversize!r}")
     check_overlap_limit(oversize, overlap_max_ids)
     policies = check_policies(policies)
-    _check_arguments(trace, expert_bytes, gpu_budget_bytes, bandwidth_bytes_per_second, model_layers)
+    expert_bytes, gpu_budget_bytes, model_layers = _check_arguments(
+        trace, expert_bytes, gpu_budget_bytes, bandwidth_bytes_per_second, model_layers
+    )
     if copy_bytes is not None:
-        _check_int("copy_bytes", copy_bytes, minimum=1)
+        copy_bytes = _check_count("copy_bytes", copy_bytes, minimum=1)
         if copy_bytes > expert_bytes:
             raise ValueError(f"copy_bytes ({copy_bytes}) must be at most expert_bytes ({expert_bytes}): "
                              "a coded record is never larger than the raw one")  # fmt: skip
     fractions = _check_fractions(fractions)
-    if not (isinstance(min_gain, (int, float)) and math.isfinite(min_gain) and min_gain >= 0):
+    if not (_finite_number(min_gain) and min_gain >= 0):
         raise ValueError(f"min_gain must be a non-negative number, got {min_gain!r}")
     layers = model_layers or trace.num_layers
     experts = trace.num_experts
@@ -216,7 +220,10 @@ def check_policies(policies: Sequence[str]) -> tuple[str, ...]:
         TypeError: not a sequence of str. ValueError: empty, unknown, repeated, or a bound
             (``belady``, ``unbounded``: always scored beside them).
     """
-    if isinstance(policies, str) or not all(isinstance(name, str) for name in policies):
+    if isinstance(policies, str) or not isinstance(policies, Iterable):
+        raise TypeError(f"policies must be a sequence of policy names, got {policies!r:.60}")
+    policies = tuple(policies)  # read once: a generator has nothing left the second time
+    if not all(isinstance(name, str) for name in policies):
         raise TypeError(f"policies must be a sequence of policy names, got {policies!r:.60}")
     names = tuple(name.strip().lower() for name in policies)
     known = ", ".join(RUNTIME_POLICIES)
@@ -235,41 +242,48 @@ def check_policies(policies: Sequence[str]) -> tuple[str, ...]:
 
 def _check_arguments(
     trace: RoutingTrace, expert_bytes: int, budget: int, bandwidth: float | None, model_layers: int | None
-) -> None:
+) -> tuple[int, int, int | None]:
+    """``(expert_bytes, budget, model_layers)`` as Python ints, after checking every argument."""
     if not isinstance(trace, RoutingTrace):
         raise TypeError(f"trace must be a RoutingTrace, got {type(trace).__name__}")
     if trace.num_records == 0:
         source = f" ({trace.source})" if trace.source else ""
         raise ValueError(f"the trace{source} has no routing records ({trace.num_tokens} tokens): nothing to plan on")
-    _check_int("expert_bytes", expert_bytes, minimum=1)
+    expert_bytes = _check_count("expert_bytes", expert_bytes, minimum=1)
     if expert_bytes > MAX_EXPERT_BYTES:
         raise ValueError(f"expert_bytes must be at most {MAX_EXPERT_BYTES:,} (MAX_EXPERT_BYTES), got {expert_bytes:,}")
     if trace.top_k > trace.num_experts:
         raise ValueError(f"the trace routes each token to {trace.top_k} of {trace.num_experts} experts: no cache fits")
-    _check_int("gpu_budget_bytes", budget, minimum=0)
+    budget = _check_count("gpu_budget_bytes", budget, minimum=0)
     if model_layers is not None:
-        _check_int("model_layers", model_layers, minimum=trace.num_layers, why=f"the trace records {trace.num_layers}")
-    if bandwidth is not None and not _positive_number(bandwidth):
+        why = f"the trace records {trace.num_layers}"
+        model_layers = _check_count("model_layers", model_layers, minimum=trace.num_layers, why=why)
+    if bandwidth is not None and not (_finite_number(bandwidth) and bandwidth > 0):
         raise ValueError(f"bandwidth_bytes_per_second must be a positive finite number or None, got {bandwidth!r}")
+    return expert_bytes, budget, model_layers
 
 
-def _positive_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+def _finite_number(value: object) -> bool:
+    """A finite real number of any type (numpy's too), never a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_int(name: str, value: object, *, minimum: int, why: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}{' (' + why + ')' if why else ''}, got {value}")
+def _check_count(name: str, value: object, *, minimum: int, why: str = "") -> int:
+    """``value`` as a Python int (any integer, numpy's too: `check_int`) of at least ``minimum``."""
+    number = check_int(name, value)
+    if number < minimum:
+        raise ValueError(f"{name} must be at least {minimum}{' (' + why + ')' if why else ''}, got {number}")
+    return number
 
 
 def _check_fractions(fractions: Sequence[float]) -> tuple[float, ...]:
+    if isinstance(fractions, (str, bytes)) or not isinstance(fractions, Iterable):
+        raise TypeError(f"fractions must be a sequence of numbers, got {fractions!r:.40}")
     values = tuple(fractions)
     for fraction in values:
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        if not (_finite_number(fraction) and 0 < fraction <= 1):
             raise ValueError(f"fractions must be numbers in (0, 1], got {fraction!r}")
-    return values
+    return tuple(float(fraction) for fraction in values)
 
 
 def _best_at(rows: list[PlanRow], scope: str, slots: int, min_gain: float) -> str:

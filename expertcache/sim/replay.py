@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Literal
 
+import numpy as np
+import torch
+
 from expertcache.errors import CacheCapacityError
 from expertcache.layer_shares import check_layers, layer_share
 from expertcache.policies import EvictionPolicy, make_policy
@@ -91,7 +94,8 @@ def replay(
 
     Args:
         calls: one sequence of hashable keys per call (an expert id, or ``(layer,
-            expert)`` for a pool shared by layers); repeats inside a call are allowed.
+            expert)`` for a pool shared by layers); repeats inside a call are allowed. A 1-D
+            numpy array or tensor counts its ids by value.
         policy: a policy name (``"lru"``, ..., ``"belady"``) or a fresh `EvictionPolicy`.
         capacity: keys the cache holds (slots), at least 1.
         forward_starts: indices into ``calls`` where a forward pass starts (Least-Stale
@@ -118,8 +122,9 @@ def replay(
             without ``layer_of``), a call holding keys of several layers or a ``layer_of``
             outside ``[0, num_layers)`` (naming the call), ``overlap_max_ids`` not a positive
             int or given without ``oversize="overlapped"``, ``num_ids`` without it or not
-            one count per call; TypeError: a call that is not a sequence of hashable keys, or a
-            ``capacity`` or ``num_layers`` that is not an integer (a bool, a float).
+            one count per call; TypeError: a call that is not a sequence of hashable keys (an
+            array or tensor: not 1-D), or a ``capacity``, ``num_layers`` or ``num_ids`` entry that
+            is not an integer (a bool, a float).
         CacheCapacityError: an oversize call with ``oversize="raise"``.
     """
     capacity = check_int("capacity", capacity, minimum=1)
@@ -185,6 +190,8 @@ def _normalize(
 
 def _distinct_keys(call: object, index: int) -> tuple[tuple[Hashable, ...], int]:
     """The call's distinct keys in first-appearance order, and its length."""
+    if isinstance(call, (np.ndarray, torch.Tensor)):
+        call = _array_keys(call, index)
     if isinstance(call, (str, bytes)) or not isinstance(call, Iterable):
         raise TypeError(f"call {index} must be a sequence of keys, got {type(call).__name__}")
     keys = list(call)
@@ -192,6 +199,17 @@ def _distinct_keys(call: object, index: int) -> tuple[tuple[Hashable, ...], int]
         return tuple(dict.fromkeys(keys)), len(keys)
     except TypeError:
         raise TypeError(f"call {index} holds a key that is not hashable") from None
+
+
+def _array_keys(call: np.ndarray | torch.Tensor, index: int) -> list:
+    """A 1-D array's or tensor's ids as Python numbers (a tensor's elements are 0-d tensors,
+    which hash by identity: the same id twice would be two keys)."""
+    if call.ndim != 1:
+        raise TypeError(
+            f"call {index} must be a 1-D sequence of keys, got a {call.ndim}-D {type(call).__name__} "
+            "(flatten a call's [T, K] ids)"
+        )
+    return call.tolist()
 
 
 def check_overlap_limit(oversize: str, overlap_max_ids: object) -> None:
@@ -212,8 +230,8 @@ def _overlapped_calls(
     if num_ids is not None:
         if overlap_max_ids is None:
             raise ValueError("num_ids is read only with overlap_max_ids")
-        num_ids = list(num_ids)
-        if len(num_ids) != len(sizes) or not all(isinstance(n, Integral) and n >= 0 for n in num_ids):
+        num_ids = [check_int(f"num_ids[{index}]", count, minimum=0) for index, count in enumerate(num_ids)]
+        if len(num_ids) != len(sizes):
             raise ValueError(f"num_ids must hold one non-negative int per call ({len(sizes)}), got {len(num_ids)}")
         sizes = num_ids
     if oversize != "overlapped":

@@ -181,10 +181,14 @@ class RoutingTrace:
                 below it).
 
         Raises:
+            TypeError / ValueError: ``num_experts`` not an int in [1, 2**31 - 1] (before the
+                file is read).
             TraceFileError (a ValueError): missing, not an ``.npz``, truncated, corrupt,
                 pickled objects, wrong dtypes, inconsistent arrays or metadata, or an id
                 at or above ``num_experts``.
         """
+        if num_experts is not None:
+            num_experts = whole_number("num_experts", num_experts, minimum=1, maximum=MAX_EXPERTS)
         path = Path(path)
         arrays = read_npz(path, _MEMBERS)
         meta = _read_meta(path, arrays.pop("meta"))

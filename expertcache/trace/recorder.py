@@ -23,6 +23,8 @@ import torch
 from expertcache.trace.arrays import MAX_EXPERTS, whole_number
 from expertcache.trace.format import RoutingTrace
 
+_LAYER_LIMIT = 2**63 - 1
+
 
 class RoutingRecorder:
     """Collects ``topk_ids`` per layer and per forward pass.
@@ -53,11 +55,23 @@ class RoutingRecorder:
         self._current: dict[int, np.ndarray] = {}
         self._request_forwards: list[int] = []
         self._top_k: int | None = None
+        self._largest_id = -1  # of every id recorded: `describe` must not give fewer experts
 
     def describe(self, *, layers: Sequence[int], num_experts: int, model: str = "") -> None:
-        """Fill in what the integration knows about the model (checked if already set)."""
+        """Fill in what the integration knows about the model (checked if already set).
+
+        Raises:
+            TypeError / ValueError: a bad field, one that disagrees with what was set, or
+                fewer experts than an id already recorded; nothing changes.
+        """
         layers = _layer_tuple(layers)
         num_experts = _experts(num_experts)
+        if not isinstance(model, str):
+            raise TypeError(f"model must be a str, got {type(model).__name__}")
+        if self._largest_id >= num_experts:
+            raise ValueError(
+                f"the recorder already recorded expert id {self._largest_id}; the model has {num_experts} experts"
+            )
         if self.layers is not None and self.layers != layers:
             raise ValueError(f"recorder was set up for layers {self.layers}, the model has {layers}")
         if self.num_experts is not None and self.num_experts != num_experts:
@@ -82,7 +96,13 @@ class RoutingRecorder:
         Args:
             layer: model layer index (one of ``layers``).
             topk_ids: ``[T, K]`` integer global expert ids (any device; copied to the host).
+
+        Raises:
+            TypeError: ``layer`` not an int, or ids not integers. ValueError: a layer not in
+                ``layers``, ``K`` of 0, an id out of range, or a top-k or token count that
+                disagrees with the calls before; nothing is recorded.
         """
+        layer = whole_number("layer", layer, minimum=0, maximum=_LAYER_LIMIT)
         if self.layers is None or layer not in self.layers:
             raise ValueError(f"layer {layer} is not one of the recorder's layers {self.layers}")
         ids = topk_ids.detach().cpu().numpy() if isinstance(topk_ids, torch.Tensor) else np.asarray(topk_ids)
@@ -90,6 +110,8 @@ class RoutingRecorder:
             raise TypeError(f"topk_ids must hold integer expert ids, got dtype {ids.dtype}")
         if ids.ndim < 2:
             raise ValueError(f"topk_ids must be [T, K], got shape {ids.shape}")
+        if ids.shape[-1] == 0:
+            raise ValueError(f"topk_ids must have at least one id per token (K >= 1), got shape {ids.shape}")
         ids = ids.reshape(-1, ids.shape[-1])
         limit = self.num_experts if self.num_experts is not None else MAX_EXPERTS
         if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= limit):
@@ -106,6 +128,7 @@ class RoutingRecorder:
                 f"layer {layer} routed {ids.shape[0]} tokens, the other layers of this forward pass {tokens.pop()}"
             )
         self._top_k = ids.shape[1]
+        self._largest_id = max(self._largest_id, int(ids.max()) if ids.size else -1)
         self._current[layer] = ids.astype(np.int32)
 
     def trace(self) -> RoutingTrace:
@@ -124,7 +147,8 @@ class RoutingRecorder:
             total += block.shape[0]
         top_k = blocks[0].shape[2] if blocks else 0
         expert_ids = np.concatenate(blocks) if blocks else np.zeros((0, len(self.layers), top_k), np.int32)
-        requests = sorted({forward_token[f] for f in self._request_forwards if f < len(forwards)})
+        # a request whose forward passes have routed no token yet starts no token
+        requests = sorted({forward_token[f] for f in self._request_forwards if f < len(forwards)} - {total})
         return RoutingTrace(
             expert_ids=expert_ids,
             forward_starts=np.array(starts, dtype=np.int64),
@@ -150,7 +174,7 @@ class RoutingRecorder:
 
 
 def _layer_tuple(layers: Sequence[int]) -> tuple[int, ...]:
-    values = tuple(whole_number("a layer index", layer, minimum=0, maximum=2**63 - 1) for layer in layers)
+    values = tuple(whole_number("a layer index", layer, minimum=0, maximum=_LAYER_LIMIT) for layer in layers)
     if len(set(values)) != len(values):
         raise ValueError(f"layers must be distinct, got {values}")
     return values
