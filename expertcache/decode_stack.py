@@ -37,7 +37,7 @@ from expertcache.kernels.quant_passes import moe_apply_quant_passes
 from expertcache.passes import OVERLAP_MAX_IDS
 from expertcache.provider import ExpertWeightProvider
 from expertcache.result import ExpertWeightResult
-from expertcache.validation import check_flag, check_overlap
+from expertcache.validation import check_flag, check_int, check_overlap
 
 if TYPE_CHECKING:
     from expertcache.cached_provider import CachedWeightProvider
@@ -53,11 +53,12 @@ class DecodeStack:
 
     Args:
         providers: one weight provider per layer (full, host- or device-mode cached).
-        hidden_size: ``H``.
-        num_experts: ``E`` (router width).
+        hidden_size: ``H``, an integer of at least 1.
+        num_experts: ``E`` (router width), an integer of at least 1: the experts of each
+            layer (a provider's ``num_global_experts``, where it says).
         dtype, device: of the dense parts and activations.
-        seed: the dense parts are drawn from it, so stacks with the same seed compute the
-            same function.
+        seed: an integer; the dense parts are drawn from it, so stacks with the same seed
+            compute the same function.
         apply: the expert kernel over a call's passes (default `moe_apply_passes`).
         overlap: let the caches overlap copies with compute (``provider.passes(ids,
             overlap=True)``: overlapped passes, and a decode call's hits computed while its
@@ -84,6 +85,13 @@ class DecodeStack:
         overlap: bool | None = None,
         landing: bool | None = None,
     ) -> None:
+        providers = list(providers)
+        hidden_size = check_int("hidden_size", hidden_size, minimum=1)
+        num_experts = check_int("num_experts", num_experts, minimum=1)
+        seed = check_int("seed", seed)
+        if not callable(apply):
+            raise TypeError(f"apply must be an expert apply over passes (e.g. moe_apply_passes), got {apply!r:.40}")
+        _check_router_width(providers, num_experts)
         self.apply = apply
         if overlap is None:
             overlap = apply in (moe_apply_passes, moe_apply_quant_passes)
@@ -98,7 +106,7 @@ class DecodeStack:
             )
         gen = torch.Generator().manual_seed(seed)
         scale = hidden_size**-0.5
-        self.providers = list(providers)
+        self.providers = providers
         self.attention = [
             (torch.randn(hidden_size, hidden_size, generator=gen) * scale).to(device, dtype) for _ in self.providers
         ]
@@ -176,6 +184,11 @@ class DecodeStack:
             raise TypeError(f"routing must hold int32 or int64 ids, got {routing.dtype}")
         if routing.device != hidden.device:
             raise ValueError(f"routing is on {routing.device}, hidden on {hidden.device}")
+        if hidden.dtype != self.router[0].dtype or hidden.device != self.router[0].device:
+            raise TypeError(
+                f"hidden must be {self.router[0].dtype} on {self.router[0].device} (the stack's dtype and "
+                f"device), got {hidden.dtype} on {hidden.device}"
+            )
         capturing = routing.is_cuda and torch.cuda.is_current_stream_capturing()
         if routing.numel() and not capturing:  # one sync in an eager step; a graph replays checked shapes
             low, high = int(routing.min()), int(routing.max())
@@ -196,6 +209,19 @@ class DecodeStack:
             check = getattr(provider, "check_prefetch", None)
             if check is not None:  # as its prefetch would: count, dtype, device, a pool of its own
                 check(prefetch[index])
+
+
+def _check_router_width(providers: Sequence[ExpertWeightProvider], num_experts: int) -> None:
+    """The router picks among ``num_experts``: every provider that says how many experts its
+    layer has (``num_global_experts``) must have as many, or a later layer would refuse the
+    ids after the layers before it had run."""
+    for index, provider in enumerate(providers):
+        experts = getattr(provider, "num_global_experts", None)
+        if experts is not None and experts != num_experts:
+            raise ValueError(
+                f"num_experts={num_experts} (the router's width) but layer {index}'s provider serves {experts} "
+                f"experts; give the stack its layers' expert count"
+            )
 
 
 class GraphedDecodeStep:

@@ -26,6 +26,8 @@ counters (from the bytes read in step one), and makes the policy forget the call
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Generator, Hashable, Iterator
 from typing import TYPE_CHECKING, cast
 
@@ -130,7 +132,7 @@ def _serve(
     assert policy is not None  # a host-mode pool always has one
     with deferred_interrupts():
         plan = plan_call(
-            keys, table[keys].tolist(), slot_of=lambda key: int(table[cast(int, key)]),
+            keys, table[keys].tolist(), slot_of=lambda key: _slot_of(table, key),
             free_slots=lambda: _free_slots(table, pool.num_slots), policy=policy, starts_forward=starts_forward,
             floor=pool.floor(layer, table),
         )  # fmt: skip
@@ -155,6 +157,23 @@ def _apply_plan(table: np.ndarray, plan: CallPlan) -> None:
         if load.evicted is not None:
             table[cast(int, load.evicted)] = -1
         table[cast(int, load.key)] = load.slot
+
+
+def key_row(key: object, num_keys: int) -> int:
+    """``key`` as a row of the pool's key tables, or -1 when it is no key of the pool (a
+    policy's victim may be anything: it must not be read as another key's row, as -1 or a
+    bool would be by numpy)."""
+    if isinstance(key, (bool, np.bool_)) or not isinstance(key, numbers.Integral):
+        return -1
+    row = operator.index(key)
+    return row if 0 <= row < num_keys else -1
+
+
+def _slot_of(table: np.ndarray, key: object) -> int:
+    """The slot of a victim ``key`` in ``table`` (``expert_to_slot``), -1 when it holds none
+    or is no key (`call_plan` then refuses it as not evictable)."""
+    row = key_row(key, table.size)
+    return -1 if row < 0 else int(table[row])
 
 
 def _check_not_compiling() -> None:

@@ -224,6 +224,14 @@ class SlotPool:
                 self.key_layer = torch.from_numpy(self._key_layer_host).to(self.device)
         return layer
 
+    def _check_attached(self, layer: object) -> None:
+        """Every method taking a ``layer`` serves only this pool's own (`attach`'s answer):
+        another pool's layer would read or write this pool's rows of the same index."""
+        if not isinstance(layer, PoolLayer):
+            raise TypeError(f"layer must be a PoolLayer from attach() (provider.layer), got {type(layer).__name__}")
+        if self.layers.get(layer.name) is not layer:
+            raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
+
     @property
     def share(self) -> int:
         """Keys one call or pass may hold, and slots every attached layer keeps:
@@ -236,7 +244,13 @@ class SlotPool:
         if len(self.layers) < 2:
             return None
         held = np.bincount(self._key_layer_host[expert_to_slot >= 0], minlength=len(self.layers))
-        return LayerFloor(layer.index, self.share, held.tolist(), lambda key: int(self._key_layer_host[key]))  # type: ignore[call-overload]
+        return LayerFloor(layer.index, self.share, held.tolist(), self._layer_of_key)
+
+    def _layer_of_key(self, key: object) -> int:
+        """The layer index of a key, -1 for anything that is no key of the pool (a policy's
+        bad victim, refused by the planner)."""
+        row = host_prepare.key_row(key, self._key_layer_host.size)
+        return -1 if row < 0 else int(self._key_layer_host[row])
 
     def owner_of(self, key: object) -> tuple[PoolLayer, int]:
         """``(layer, local expert)`` of a key."""
@@ -271,8 +285,7 @@ class SlotPool:
             ConcurrentUseError: another thread is inside this pool.
             In every case the pool is left exactly as it was.
         """
-        if self.layers.get(layer.name) is not layer:
-            raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
+        self._check_attached(layer)
         check_topk_ids(topk_ids, self.device)
         run = device_prepare.prepare if self.mode == "device" else host_prepare.prepare
         slot_ids = run(self, layer, topk_ids)
@@ -317,8 +330,7 @@ class SlotPool:
             (``close()``, or an error in the caller's loop) ends the call there and then: a
             device-mode pool joins its copy stream before ``close()`` returns.
         """
-        if self.layers.get(layer.name) is not layer:
-            raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
+        self._check_attached(layer)
         check_topk_ids(topk_ids, self.device)
         check_overlap(overlap)
         check_flag("landing", landing)
@@ -367,8 +379,7 @@ class SlotPool:
         A caller that prefetches for several layers in one step (`DecodeStack`) checks them
         all before the first layer runs.
         """
-        if self.layers.get(layer.name) is not layer:
-            raise ValueError(f"layer {layer.name!r} is not attached to this slot pool")
+        self._check_attached(layer)
         if self.mode != "device":
             raise ValueError("prefetch needs mode='device' (host mode plans on the host: it would sync)")
         if len(self.layers) != 1:
@@ -390,6 +401,7 @@ class SlotPool:
 
     def prefetch_stats(self, layer: PoolLayer) -> CacheStats:
         """Counts of ``layer``'s prefetches: ``hits`` already resident, ``misses`` copied."""
+        self._check_attached(layer)
         self._settled()
         row = dict(zip(COUNTERS, self.tables.prefetched[layer.index].tolist(), strict=True))
         raw, stored = self.layout.expert_bytes, layer.store.stored_expert_bytes
@@ -420,6 +432,7 @@ class SlotPool:
 
     def stats(self, layer: PoolLayer) -> CacheStats:
         """Exact counters of ``layer``."""
+        self._check_attached(layer)
         self._settled()
         row = dict(zip(COUNTERS, self.tables.counters[layer.index].tolist(), strict=True))
         raw, stored = self.layout.expert_bytes, layer.store.stored_expert_bytes
@@ -427,11 +440,15 @@ class SlotPool:
 
     def expert_to_slot(self, layer: PoolLayer) -> np.ndarray:
         """``[E_local]`` int32 copy: the slot of each of ``layer``'s experts, or -1."""
+        self._check_attached(layer)
         start = layer.key_offset
         return self._settled().expert_to_slot[start : start + layer.num_experts].cpu().numpy().copy()
 
     def expert_in(self, layer: PoolLayer, slot: int) -> int:
-        """Local expert of ``layer`` held by ``slot``, or -1 (free, or another layer's)."""
+        """Local expert of ``layer`` held by ``slot`` (an int in ``[0, num_slots)``), or -1
+        (free, or another layer's)."""
+        self._check_attached(layer)
+        slot = check_int("slot", slot, minimum=0, maximum=self.num_slots - 1)
         key = int(self._settled().slot_to_key[slot])
         if key < 0:
             return -1

@@ -9,6 +9,7 @@ by several layers keeps each layer's share (`expertcache.layer_shares`), as a sh
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 
 from expertcache.call_plan import CallPlan, plan_call, tell_policy
@@ -130,12 +131,12 @@ class SlotTable:
         if self.num_layers == 1 or not unique:
             return None
         layers = {self._layer_of(key) for key in unique}
-        for layer in layers:
-            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        for layer in layers:  # any integer (numpy's too), never a bool
+            if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < self.num_layers:
                 raise ValueError(f"layer_of gave {layer!r}, not a layer in [0, {self.num_layers})")
         if len(layers) > 1:
             raise ValueError(f"a call of a shared table holds the keys of one layer, not of layers {sorted(layers)}")
-        return layers.pop()
+        return int(layers.pop())
 
     def _count(self, key: Key, change: int) -> None:
         if self.num_layers > 1:

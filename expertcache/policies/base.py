@@ -35,6 +35,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Container, Hashable, Sequence
 from typing import ClassVar
 
+from expertcache.validation import check_int
+
 Key = Hashable
 
 
@@ -48,8 +50,13 @@ class EvictionPolicy(ABC):
     clairvoyant: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
-        """``capacity``: how many keys the cache holds (ARC, SLRU and others size by it)."""
-        self.capacity = capacity
+        """``capacity``: how many keys the cache holds (ARC, SLRU and others size by it), an
+        integer (numpy's too, never a bool) of at least 1.
+
+        Raises:
+            TypeError: ``capacity`` is not an integer. ValueError: it is below 1.
+        """
+        self.capacity = check_int("capacity", capacity, minimum=1)
 
     def claim(self, owner: object) -> None:
         """Bind this instance to the one cache that drives it.

@@ -32,6 +32,8 @@ class GDSFPolicy(RankedPolicy):
 
     def __init__(self, capacity: int, *, cost: Callable[[Key], float] | None = None) -> None:
         super().__init__(capacity)
+        if cost is not None and not callable(cost):
+            raise TypeError(f"cost must be a function of a key (or None for 1 each), got {type(cost).__name__}")
         self.cost = cost if cost is not None else _unit_cost
         self.clock = 0.0
 

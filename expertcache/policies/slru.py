@@ -8,6 +8,7 @@ one-off experts cannot flush the experts that keep coming back.
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from collections.abc import Container
 
@@ -26,9 +27,11 @@ class SLRUPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int, *, main_fraction: float = 0.8) -> None:
         super().__init__(capacity)
+        if isinstance(main_fraction, bool) or not isinstance(main_fraction, numbers.Real):
+            raise TypeError(f"main_fraction must be a number in (0, 1], got {type(main_fraction).__name__}")
         if not 0.0 < main_fraction <= 1.0:
             raise ValueError(f"main_fraction must be in (0, 1], got {main_fraction}")
-        self.main_capacity = max(1, int(capacity * main_fraction))
+        self.main_capacity: int = max(1, int(self.capacity * main_fraction))
         self._probation: OrderedDict[Key, None] = OrderedDict()
         self._main: OrderedDict[Key, None] = OrderedDict()
 
