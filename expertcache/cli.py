@@ -51,12 +51,39 @@ __all__ = [
 ]
 
 
+#: Where `_StoreOnce` notes the flags given so far (removed before the namespace is returned).
+_GIVEN = "_expertcache_flags_given"
+
+
+class _StoreOnce(argparse._StoreAction):
+    """A flag that takes a value, refused when it comes twice (the stock parser keeps the
+    last value and ignores the first, silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        given = vars(namespace).setdefault(_GIVEN, set())
+        if option_string is not None and self.dest in given:
+            parser.error(f"{'/'.join(self.option_strings)} given twice: give each flag once")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
 class CommandLineParser(argparse.ArgumentParser):
-    """An `argparse.ArgumentParser` whose errors are one line, ``prog: error: message``.
+    """An `argparse.ArgumentParser` whose errors are one line, ``prog: error: message``, and
+    which refuses a flag that takes a value given twice.
 
     (The stock parser prints its usage first; ``--help`` still shows it.) Subparsers made by
     ``add_subparsers`` are of this class too.
     """
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def, override]
+        namespace, extras = super().parse_known_args(args, namespace)
+        vars(namespace).pop(_GIVEN, None)
+        return namespace, extras
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {one_line(message)}\n")

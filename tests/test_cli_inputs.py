@@ -338,3 +338,34 @@ def test_python_dash_m_runs_the_command_and_refuses_in_one_line():
     assert done.stderr.strip().splitlines() == [
         "expertcache plan: error: argument --trace: must name a file or folder, got an empty string"
     ]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            [
+                "plan",
+                "--policies",
+                "lru",
+                "--policies",
+                "arc",
+                "--trace",
+                "t.npz",
+                "--expert-bytes",
+                "8",
+                "--gpu-budget",
+                "1",
+            ],
+            "--policies given twice: give each flag once",
+        ),
+        (
+            ["plan", "--gpu-budget", "1", "--gpu-budget=2", "--trace", "t.npz", "--expert-bytes", "8"],
+            "--gpu-budget given twice",
+        ),
+        (["demo", "--new-tokens", "4", "--new-tokens", "8"], "--new-tokens given twice"),
+    ],
+)
+def test_a_flag_given_twice_is_refused_not_the_first_value_ignored(argv, expected, capsys):
+    """The stock parser kept the last value of a repeated flag and ignored the first."""
+    _refused(argv, capsys, expected)
