@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import devices
 from helpers import random_weights, views
 
 from expertcache import CachedWeightProvider, SlotPool
@@ -172,8 +173,8 @@ def test_a_shared_table_takes_numpy_layers():
 # -- the decode stack --------------------------------------------------------------------------
 
 
-def caches(num_experts=EXPERTS, layers=2):
-    return [CachedWeightProvider(random_weights(num_experts, HIDDEN, 4), cache_size=4, device="cpu")
+def caches(num_experts=EXPERTS, layers=2, device="cpu"):
+    return [CachedWeightProvider(random_weights(num_experts, HIDDEN, 4), cache_size=4, device=device)
             for _ in range(layers)]  # fmt: skip
 
 
@@ -200,25 +201,28 @@ def test_a_stack_refuses_bad_settings_when_built(settings, error, message):
                       DecodeStack)  # fmt: skip
 
 
-def test_a_stack_wider_than_its_layers_is_refused_when_built():
+@pytest.mark.parametrize("device", devices())  # a step runs the Triton apply
+def test_a_stack_wider_than_its_layers_is_refused_when_built(device):
     """Before, a step whose layer 1 routed to expert 9 of 8 ran layer 0 (admitting its
     experts), then raised."""
-    layers = caches()
+    layers = caches(device=device)
     with pytest.raises(ValueError, match=r"num_experts=16 \(the router's width\) but layer 0's provider serves 8"):
-        DecodeStack(layers, HIDDEN, 16, dtype=torch.float32, device="cpu")
-    stack = DecodeStack(layers, HIDDEN, EXPERTS, dtype=torch.float32, device="cpu")
-    out = stack.step(torch.randn(2, HIDDEN), torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]]))
+        DecodeStack(layers, HIDDEN, 16, dtype=torch.float32, device=device)
+    stack = DecodeStack(layers, HIDDEN, EXPERTS, dtype=torch.float32, device=device)
+    routing = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], device=device)
+    out = stack.step(torch.randn(2, HIDDEN, device=device), routing)
     assert out.shape == (2, HIDDEN) and layers[1].resident() == {4, 5, 6, 7}
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
-def test_a_step_refuses_hidden_of_another_dtype_and_changes_nothing(dtype):
+def test_a_step_refuses_hidden_of_another_dtype_and_changes_nothing(dtype, device):
     """Before: torch's matmul RuntimeError ("expected m1 and m2 to have the same dtype")."""
-    layers = caches()
-    stack = DecodeStack(layers, HIDDEN, EXPERTS, dtype=torch.float32, device="cpu")
-    routing = torch.tensor([[[0, 1]], [[2, 3]]])
+    layers = caches(device=device)
+    stack = DecodeStack(layers, HIDDEN, EXPERTS, dtype=torch.float32, device=device)
+    routing = torch.tensor([[[0, 1]], [[2, 3]]], device=device)
     before = [views(layer) for layer in layers]
-    with pytest.raises(TypeError, match="hidden must be torch.float32 on cpu"):
-        stack.step(torch.ones(1, HIDDEN, dtype=dtype), routing)
+    with pytest.raises(TypeError, match=f"hidden must be torch.float32 on {device}"):
+        stack.step(torch.ones(1, HIDDEN, dtype=dtype, device=device), routing)
     assert [views(layer) for layer in layers] == before
-    assert stack.step(torch.randn(1, HIDDEN), routing).dtype == torch.float32
+    assert stack.step(torch.randn(1, HIDDEN, device=device), routing).dtype == torch.float32
