@@ -22,6 +22,10 @@ from expertcache.provider import ExpertWeightProvider, PassResults
 from expertcache.result import ExpertWeightResult
 from expertcache.stats import CacheStats
 
+#: What the wrapper answers as its provider does (and only where the provider has it), so a
+#: `DecodeStack` prefetches into, and checks the router width of, a timed cache as a bare one.
+FORWARDED = ("mode", "num_experts", "num_global_experts", "prefetch", "check_prefetch", "prefetch_stats")
+
 #: Upper bounds (seconds) of the prepare-time histogram buckets.
 PREPARE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 
@@ -58,6 +62,12 @@ class TimedProvider(ExpertWeightProvider):
         self.provider = provider
         self._counts = [0] * (len(self.buckets) + 1)  # the last bucket is +Inf
         self._sum = 0.0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        """`FORWARDED` attributes of the wrapped provider (prefetches are not timed)."""
+        if name in FORWARDED and "provider" in self.__dict__:
+            return getattr(self.provider, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def stats(self) -> CacheStats:

@@ -14,7 +14,7 @@ import torch
 from conftest import devices
 from helpers import random_weights, same_bytes, slot_bytes, views
 
-from expertcache import CachedWeightProvider
+from expertcache import CachedWeightProvider, FullGPUProvider
 from expertcache.decode_stack import DecodeStack
 from expertcache.kernels import moe_apply_passes
 from expertcache.reference import moe_forward
@@ -155,6 +155,25 @@ def test_a_decode_step_checks_every_layers_prefetch_first(device):
     for (_, provider), (before, prefetched) in zip(pairs, befores, strict=True):
         assert_unchanged(provider, before)
         assert provider.prefetch_stats == prefetched
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_stack_of_timed_caches_prefetches_and_checks_as_bare_ones(device):
+    """Before, a `TimedProvider` hid its cache's mode and prefetch: a stack refused to
+    prefetch into timed device-mode caches ("layer 1 is TimedProvider"), and skipped their
+    router-width check."""
+    pairs = [cache("device", device, seed=layer) for layer in range(2)]
+    timed = [TimedProvider(provider) for _, provider in pairs]
+    with pytest.raises(ValueError, match=r"num_experts=16 \(the router's width\) but layer 0's provider serves 8"):
+        DecodeStack(timed, HIDDEN, 2 * EXPERTS, dtype=torch.float32, device=device)
+    stack = DecodeStack(timed, HIDDEN, EXPERTS, dtype=torch.float32, device=device)
+    routing = torch.tensor([[[4, 5]], [[6, 7]]], device=device)
+    prefetch = torch.tensor([[[0, 1]], [[6, 7]]], device=device)  # row 1 goes to layer 1 after layer 0's router
+    misses = pairs[1][1].stats.misses
+    stack.step(torch.randn(1, HIDDEN, device=device), routing, prefetch)
+    assert pairs[1][1].prefetch_stats.misses == 2 and timed[1].prefetch_stats == pairs[1][1].prefetch_stats
+    assert pairs[1][1].stats.misses == misses and timed[0].mode == "device"  # layer 1's call found both
+    assert not hasattr(TimedProvider(FullGPUProvider(pairs[0][0])), "prefetch")  # only what the cache has
 
 
 @pytest.mark.parametrize("mode, device", modes())
