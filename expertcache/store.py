@@ -29,7 +29,7 @@ from expertcache.compression import COMPRESSIONS, FLOAT16_FIELDS, ExponentCode, 
 from expertcache.compression import decode_records_torch as decode_records
 from expertcache.errors import PinBudgetError
 from expertcache.layout import ExpertLayout, ExpertTensorSpec, layout_from_weights
-from expertcache.validation import check_flag, check_int, check_pin_budget_bytes
+from expertcache.validation import check_flag, check_int, check_pin_budget_bytes, resolve_device
 
 #: Stores coding more bytes than this show progress bars while they are encoded.
 _PROGRESS_BYTES = 1 << 28
@@ -235,9 +235,13 @@ def encoding_device(weights: Mapping[str, torch.Tensor], requested: torch.device
     """Where a store codes ``weights``: ``requested``; else the GPU ``w1`` is on; else the
     current GPU when this machine has one (the passes are vectorised torch: ~7 M values/s
     on a CPU core pair, a Qwen3-30B-A3B store's 7 G values would take over an hour); else
-    the CPU."""
+    the CPU.
+
+    Raises:
+        ValueError: ``requested`` is not the CPU or a CUDA device of this machine.
+    """
     if requested is not None:
-        return torch.device(requested)
+        return resolve_device(requested)
     if weights["w1"].is_cuda:
         return weights["w1"].device
     if torch.cuda.is_available():

@@ -74,6 +74,7 @@ def test_a_full_gpu_codes_on_the_cpu_instead(monkeypatch):
         return real(tensor, code, progress=progress, device=device)
 
     monkeypatch.setattr(store_module, "analyse", analyse)
+    monkeypatch.setattr(store_module, "resolve_device", torch.device)  # "cuda" taken on a CPU-only machine too
     weights = coded_weights()
     layout = SlotPool.for_weights(weights, 1).layout
     with pytest.warns(UserWarning, match="coding on the CPU"):
@@ -87,6 +88,23 @@ def test_a_full_gpu_codes_on_the_cpu_instead(monkeypatch):
 def test_the_encoding_device_follows_the_experts():
     weights = {"w1": torch.zeros(2, 4, dtype=torch.bfloat16)}
     assert encoding_device(weights, "cpu") == torch.device("cpu")
-    assert encoding_device(weights, torch.device("cuda", 1)) == torch.device("cuda", 1)
+    missing = torch.device("cuda", torch.cuda.device_count())  # one past the last GPU, or any without CUDA
+    with pytest.raises(ValueError, match=f"device {missing}"):
+        encoding_device(weights, missing)
     expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     assert encoding_device(weights) == expected
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [("meta", "unsupported device meta"), ("cpu:1", "there is one CPU device"), ("gpu0", "not a device: .gpu0.")],
+)
+def test_a_store_refuses_an_encode_device_it_cannot_use_before_coding(device, message, monkeypatch):
+    """Before: torch's own errors (or an AssertionError for "cuda" without CUDA) from the first copy."""
+    coded = []
+    monkeypatch.setattr(store_module, "analyse", lambda *args, **kwargs: coded.append(1))
+    weights = coded_weights()
+    layout = SlotPool.for_weights(weights, 1).layout
+    with pytest.raises(ValueError, match=message):
+        CPUBackingStore(layout, weights, pin=False, compression="exponent", encode_device=device)
+    assert coded == []
