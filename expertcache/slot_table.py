@@ -27,7 +27,8 @@ class SlotTable:
         num_slots: slots of the cache, at least 1.
         policy: a policy name or a fresh `EvictionPolicy` (an instance serves one table).
         num_layers: layers sharing the table (at most ``num_slots``); each call is one layer's.
-        layer_of: the layer of a key, in ``[0, num_layers)`` (needed when ``num_layers > 1``).
+        layer_of: the layer of a key, in ``[0, num_layers)`` (needed when ``num_layers > 1``;
+            with one layer, every key's must be 0).
 
     Invariants (checked by the tests after every call): ``slot_of`` and ``key_in`` are
     inverse on resident keys, at most ``num_slots`` keys are resident, and a slot never
@@ -127,8 +128,11 @@ class SlotTable:
         return [self.admit(group) for group in groups]
 
     def _layer_of_call(self, unique: list[Key]) -> int | None:
-        """The one layer of a call's keys (None for a table of one layer, or no keys)."""
-        if self.num_layers == 1 or not unique:
+        """The one layer of a call's keys (None for a table of one layer, or no keys).
+
+        A ``layer_of`` given to a table of one layer is still checked: every key's is 0.
+        """
+        if not unique or self._layer_of is _one_layer:
             return None
         layers = {self._layer_of(key) for key in unique}
         for layer in layers:  # any integer (numpy's too), never a bool
@@ -136,7 +140,7 @@ class SlotTable:
                 raise ValueError(f"layer_of gave {layer!r}, not a layer in [0, {self.num_layers})")
         if len(layers) > 1:
             raise ValueError(f"a call of a shared table holds the keys of one layer, not of layers {sorted(layers)}")
-        return int(layers.pop())
+        return int(layers.pop()) if self.num_layers > 1 else None
 
     def _count(self, key: Key, change: int) -> None:
         if self.num_layers > 1:

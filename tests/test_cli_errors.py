@@ -100,7 +100,7 @@ IN_PROCESS_CASES = [
 def bad_files(tmp_path_factory) -> dict[str, str]:
     """The files the cases name: a good trace, and every kind of bad one."""
     folder = tmp_path_factory.mktemp("cli_errors")
-    ids = np.random.default_rng(0).integers(0, 8, (20, 2, 2))
+    ids = np.random.default_rng(0).random((20, 2, 8)).argsort(axis=2)[..., :2]
     files = {"folder": folder / "empty_folder", "missing": folder / "missing"}
     files["folder"].mkdir()
     files["trace"] = RoutingTrace(ids, list(range(20)), num_experts=8).save(folder / "trace.npz")

@@ -318,7 +318,8 @@ def test_a_plan_never_recommends_fewer_slots_than_the_runtime_takes():
     from expertcache.config import cache_size_range
     from expertcache.planner import plan
 
-    trace = RoutingTrace(np.random.default_rng(0).integers(0, 8, (20, 2, 2)), list(range(20)), num_experts=8)
+    top2 = np.random.default_rng(0).random((20, 2, 8)).argsort(axis=2)[..., :2]  # distinct ids a record
+    trace = RoutingTrace(top2, list(range(20)), num_experts=8)
     low = plan(trace, expert_bytes=1000, gpu_budget_bytes=3000)
     assert low.min_cache_size == cache_size_range(2, 8).start == 2
     assert low.layer_cache_size == 1 and all(row.slots >= 2 for row in low.rows if row.scope == "layer")

@@ -104,7 +104,7 @@ def test_a_trace_and_a_manifest_are_written_whole(tmp_path):
     """The library's own writers go through the same path: a device is refused, not replaced."""
     import numpy as np
 
-    trace = RoutingTrace(np.zeros((2, 1, 2), dtype=np.int16), np.zeros(1, dtype=np.int64), num_experts=4)
+    trace = RoutingTrace(np.array([[[0, 1]], [[2, 3]]], dtype=np.int16), np.zeros(1, dtype=np.int64), num_experts=4)
     written = trace.save(tmp_path / "t.npz")
     assert RoutingTrace.load(written).expert_ids.tolist() == trace.expert_ids.tolist()
     os.mkfifo(tmp_path / "pipe")

@@ -152,3 +152,30 @@ def test_plan_takes_any_real_fraction_and_refuses_a_str(trace):
 def test_plan_refuses_a_bool_min_gain(trace):
     with pytest.raises(ValueError, match="min_gain must be a non-negative number, got True"):
         plan(trace, expert_bytes=1000, gpu_budget_bytes=8000, policies=["lru"], min_gain=True)
+
+
+# --- a record that names an expert twice; layer_of with one layer -------------------------------
+
+
+def test_a_trace_record_naming_an_expert_twice_is_refused_naming_it():
+    ids = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 6]]])  # token 1, layer column 1: expert 6 twice
+    with pytest.raises(ValueError, match="repeats expert 6 in the record of token 1 at layer column 1"):
+        RoutingTrace(ids, [0], num_experts=8)
+    unlogged = np.array([[[-1, -1], [2, 3]]])  # ids not logged (-1) may repeat
+    assert RoutingTrace(unlogged, [0], num_experts=8).num_records == 1
+
+
+def test_the_recorder_refuses_a_call_naming_an_expert_twice_and_records_nothing():
+    recorder = RoutingRecorder(layers=[0], num_experts=8)
+    with pytest.raises(ValueError, match="token 1 of the call names expert 3 twice"):
+        recorder.record(0, torch.tensor([[0, 1], [3, 3]]))
+    recorder.record(0, torch.tensor([[0, 1], [3, 4]]))
+    assert recorder.trace().expert_ids.tolist() == [[[0, 1]], [[3, 4]]]
+
+
+def test_layer_of_is_checked_in_a_replay_of_one_layer():
+    # it was ignored: keys of "layer 1" ran in a one-layer pool without a word
+    with pytest.raises(ValueError, match=r"call 0: layer_of gave 1, not a layer in \[0, 1\)"):
+        replay([[1, 2]], policy="lru", capacity=2, num_layers=1, layer_of=lambda key: 1)
+    honoured = replay([[1, 2], [1, 3]], policy="lru", capacity=2, num_layers=1, layer_of=lambda key: 0)
+    assert honoured == replay([[1, 2], [1, 3]], policy="lru", capacity=2)

@@ -218,10 +218,16 @@ def test_random_bytes_are_refused_naming_the_file(data, suffix):
 
 @st.composite
 def traces(draw) -> RoutingTrace:
-    """Any valid `RoutingTrace`: ids from -1 to beyond int16, starts, layers, text."""
+    """Any valid `RoutingTrace`: ids from -1 to beyond int16 (distinct in a record), starts, layers, text."""
     tokens, layers, top_k = draw(st.integers(0, 8)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     largest = draw(st.sampled_from([3, 32767, 32768, 2**31 - 2]))
-    ids = draw(st.lists(st.integers(-1, largest), min_size=tokens * layers * top_k, max_size=tokens * layers * top_k))
+    record = st.lists(st.integers(0, largest), min_size=top_k, max_size=top_k, unique=True)  # a router's top-k
+    hidden = st.lists(st.booleans(), min_size=top_k, max_size=top_k)  # ids not logged (-1)
+    ids = [
+        -1 if gone else expert
+        for _ in range(tokens * layers)
+        for expert, gone in zip(draw(record), draw(hidden), strict=True)
+    ]
     starts = sorted({0, *draw(st.sets(st.integers(1, max(tokens - 1, 1))))} & set(range(tokens)))
     requests = sorted(draw(st.sets(st.integers(0, max(tokens - 1, 0)))) & set(range(tokens)))
     text = st.text(max_size=12)

@@ -105,7 +105,8 @@ def replay(
             ``"overlapped"`` passes (as ``passes(ids, overlap=True)`` does), or ``"raise"``
             `CacheCapacityError`.
         num_layers: layers sharing the cache (at most ``capacity``); each call is one layer's.
-        layer_of: the layer of a key, in ``[0, num_layers)`` (needed for several layers).
+        layer_of: the layer of a key, in ``[0, num_layers)`` (needed for several layers;
+            with one layer, checked: every key's must be 0).
         overlap_max_ids: with ``oversize="overlapped"``, replay a call of more ids than this
             as passes one after the other (`DecodeStack` overlaps calls of at most
             `expertcache.passes.OVERLAP_MAX_IDS` ids); None: every call overlapped.

@@ -68,6 +68,20 @@ def expert_id_array(values: object, num_experts: int) -> np.ndarray:
     return ids.astype(np.int16 if largest <= _INT16_MAX else np.int32)
 
 
+def first_repeat(expert_ids: np.ndarray) -> tuple[int, int] | None:
+    """The first record of ``[..., K]`` ids that names an expert twice (-1 aside), as
+    ``(record, expert)`` with records counted row-major over the leading axes; None when
+    every record's ids are distinct (a router's top-k always are)."""
+    if expert_ids.size == 0 or expert_ids.shape[-1] < 2:
+        return None
+    ordered = np.sort(expert_ids.reshape(-1, expert_ids.shape[-1]), axis=1)
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if not repeated.any():
+        return None
+    record, position = (int(index[0]) for index in np.nonzero(repeated))
+    return record, int(ordered[record, position])
+
+
 def index_array(name: str, values: object) -> np.ndarray:
     """A 1-D int64 array of non-negative indices.
 

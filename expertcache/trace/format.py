@@ -30,6 +30,7 @@ from expertcache.file_writes import write_files
 from expertcache.trace.arrays import (
     MAX_EXPERTS,
     expert_id_array,
+    first_repeat,
     index_array,
     strictly_increasing,
     whole_number,
@@ -55,7 +56,8 @@ class RoutingTrace:
         request_starts: ``[R]`` int64 increasing token indices where requests start (empty:
             unknown).
         layers: ``[L]`` int64 distinct model layer index of each column of ``expert_ids``.
-        num_experts: experts per layer ``E`` (1 .. 2**31 - 1); every id is below it.
+        num_experts: experts per layer ``E`` (1 .. 2**31 - 1); every id is below it, and no
+            record names an expert twice.
         model: model name.
         source: where the trace came from.
         notes: known defects and how they were handled.
@@ -105,6 +107,12 @@ class RoutingTrace:
             raise ValueError(f"layers must have one entry per column ({self.num_layers}), got {self.layers.size}")
         if np.unique(self.layers).size != self.layers.size:
             raise ValueError(f"layers must be distinct, got {self.layers.tolist()}")
+        repeat = first_repeat(self.expert_ids)
+        if repeat is not None:
+            record, expert = repeat
+            token, column = divmod(record, self.num_layers)
+            where = f"the record of token {token} at layer column {column}"
+            raise ValueError(f"expert_ids repeats expert {expert} in {where}")
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from expertcache.trace.arrays import MAX_EXPERTS, whole_number
+from expertcache.trace.arrays import MAX_EXPERTS, first_repeat, whole_number
 from expertcache.trace.format import RoutingTrace
 
 _LAYER_LIMIT = 2**63 - 1
@@ -99,8 +99,8 @@ class RoutingRecorder:
 
         Raises:
             TypeError: ``layer`` not an int, or ids not integers. ValueError: a layer not in
-                ``layers``, ``K`` of 0, an id out of range, or a top-k or token count that
-                disagrees with the calls before; nothing is recorded.
+                ``layers``, ``K`` of 0, an id out of range or twice in one token's ids, or a
+                top-k or token count that disagrees with the calls before; nothing is recorded.
         """
         layer = whole_number("layer", layer, minimum=0, maximum=_LAYER_LIMIT)
         if self.layers is None or layer not in self.layers:
@@ -118,6 +118,9 @@ class RoutingRecorder:
             raise ValueError(
                 f"expert ids must be in [-1, {limit}), got values from {int(ids.min())} to {int(ids.max())}"
             )
+        repeat = first_repeat(ids)
+        if repeat is not None:
+            raise ValueError(f"token {repeat[0]} of the call names expert {repeat[1]} twice (a top-k is distinct)")
         if self._top_k is not None and ids.shape[1] != self._top_k:
             raise ValueError(f"top-k changed from {self._top_k} to {ids.shape[1]} between calls")
         if layer in self._current:
