@@ -13,6 +13,11 @@ order for every call (`expertcache.call_plan`):
    or it is rolled back (a copy failed, an interrupt): ``abort_call()``, which undoes what
    ``begin_call`` (and a ``begin_forward`` just before it) changed.
 
+The hooks of step 3 run once the call's copies and tables are committed, so they must not
+raise: the cache cannot take back a served call, and a policy that raised there has heard
+only part of it (every built-in policy's hooks only update its own bookkeeping). Refuse bad
+settings when the policy is built, as the built-in ones do.
+
 Two optional signals carry what some policies need beyond one call:
 
 * ``begin_forward()`` before the first call of a forward pass (Least-Stale ranks keys by
