@@ -68,7 +68,10 @@ forward the GPU sat idle.
 stack asks for passes one after the other (``overlap=False``): the overlap's gain, measured
 in one process. ``--unlanded 0.25 0.5``: ``device unlanded`` rows whose apply waits for each
 pass's whole copy instead of each expert's landing count (`expertcache.kernels.landing`): the
-counts' gain, in one process. ``--overlap off``: every device cache serves so (no
+counts' gain, in one process. ``--landed-whole 0.25 0.5``: ``device landed whole`` rows whose
+landing counts count every name alike, so the GEMV's gate_up waits for a whole expert, not
+only its ``w1`` (`expertcache.kernels.landing.Counting`): the split counts' gain, in one
+process. ``--overlap off``: every device cache serves so (no
 hits-then-misses split, no overlapped passes);
 ``--chain off``: no programmatic dependent launch between the decode kernels; ``--copy-priority
 default``: the pools' copy streams at the default priority, not above the apply's (ablations).
@@ -90,6 +93,7 @@ if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
@@ -110,7 +114,7 @@ from layer_streaming import StreamingLayers  # noqa: E402
 
 from expertcache import CachedWeightProvider, CacheStats, FullGPUProvider, SlotPool, slot_pool  # noqa: E402
 from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E402
-from expertcache.kernels import _launch, moe_apply_passes  # noqa: E402
+from expertcache.kernels import _launch, landing, moe_apply_passes  # noqa: E402
 from expertcache.layout import layout_from_weights  # noqa: E402
 from expertcache.passes import max_passes  # noqa: E402
 from expertcache.store import CPUBackingStore  # noqa: E402
@@ -211,6 +215,7 @@ class Variant:
     copies_only: bool = False  # the floor: the step without its expert compute (admissions and copies kept)
     overlap: bool = True  # False: the stack asks for passes one after the other (``--serial``)
     landing: bool = True  # False: the apply waits for a pass's whole copy, not each expert (``--unlanded``)
+    landed_whole: bool = False  # True: gate_up waits for a whole expert's landing, not its w1 (``--landed-whole``)
 
 
 def cached(
@@ -246,6 +251,23 @@ def unlanded(bench: Bench, fraction: float) -> Variant:
     return dataclasses.replace(cached(bench, fraction, "device", False), name="device unlanded", landing=False)
 
 
+def landed_whole(bench: Bench, fraction: float) -> Variant:
+    variant = cached(bench, fraction, "device", False)
+    return dataclasses.replace(variant, name="device landed whole", landed_whole=True)
+
+
+@contextlib.contextmanager
+def counting_names_alike():
+    """Landing counts in which no name counts apart (`landing.GATE_UP_NAMES` emptied while the
+    variant's steps are built and run): gate_up waits for whole experts, as before the split."""
+    names = landing.GATE_UP_NAMES
+    landing.GATE_UP_NAMES = frozenset()
+    try:
+        yield
+    finally:
+        landing.GATE_UP_NAMES = names
+
+
 def drain_passes(hidden: torch.Tensor, results, topk_weights: torch.Tensor) -> torch.Tensor:
     """An apply that computes nothing: it only runs the passes (admissions, copies, joins)."""
     for _ in results:
@@ -277,6 +299,7 @@ def variant_builders(
     floor: list[float],
     serial_at: list[float],
     unlanded_at: list[float] = (),  # type: ignore[assignment]
+    landed_whole_at: list[float] = (),  # type: ignore[assignment]
 ) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
@@ -294,6 +317,9 @@ def variant_builders(
             builders.append((f"device serial {fraction:.0%}", functools.partial(serial, bench, fraction)))
         if fraction in unlanded_at:
             builders.append((f"device unlanded {fraction:.0%}", functools.partial(unlanded, bench, fraction)))
+        if fraction in landed_whole_at:
+            label = f"device landed whole {fraction:.0%}"
+            builders.append((label, functools.partial(landed_whole, bench, fraction)))
         if fraction in prefetch:
             for right in sorted({bench.shape["top_k"], 3 * bench.shape["top_k"] // 4}, reverse=True):
                 label = f"device prefetch {right}/{bench.shape['top_k']} {fraction:.0%}"
@@ -399,6 +425,8 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
         row["overlap"] = "off"
     if not variant.landing:
         row["landing"] = "off"
+    if variant.landed_whole:
+        row["landing"] = "whole"
     if variant.right is not None:
         row.update(right=variant.right, mb_prefetched_per_step=prefetched / 1e6)
     if "coded" in variant.name:  # PCIe carried the coded bytes
@@ -453,7 +481,8 @@ def run_variant(bench: Bench, label: str, build: Callable[[], Variant], args, re
             continue  # a prefetch holds at most the slots' worth of ids
         warmup, steps = (1, args.streaming_steps) if variant.cache == "stream" else (args.warmup, args.steps)
         try:
-            row = measure_batch(bench, variant, batch, warmup=warmup, steps=steps)
+            with counting_names_alike() if variant.landed_whole else contextlib.nullcontext():
+                row = measure_batch(bench, variant, batch, warmup=warmup, steps=steps)
         except Exception as err:  # the tree under test may not serve this size yet
             sync(bench.device)
             row = {"variant": variant.name, "cache": variant.cache, "batch": batch, "error": error_text(err)}
@@ -525,7 +554,7 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
     save(new)
     providers.clear()
     builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor, args.serial,
-                                args.unlanded)  # fmt: skip
+                                args.unlanded, args.landed_whole)  # fmt: skip
     if args.only:
         builders = [(label, build) for label, build in builders if any(part in label for part in args.only)]
         if not builders:
@@ -764,6 +793,10 @@ def parse_args() -> argparse.Namespace:
                         help="device mode at these fractions whose apply waits for each pass's whole copy (no "
                              "landing counts), beside the device rows: the landing counts' gain in one "
                              "process")  # fmt: skip
+    parser.add_argument("--landed-whole", type=float, nargs="*", default=[], metavar="FRACTION",
+                        help="device mode at these fractions whose landing counts count every name alike (gate_up "
+                             "waits for whole experts, not their w1), beside the device rows: the split counts' "
+                             "gain in one process")  # fmt: skip
     parser.add_argument(
         "--overlap",
         choices=("on", "off"),
@@ -805,10 +838,12 @@ def parse_args() -> argparse.Namespace:
     if args.prefill and args.prefetch != parser.get_default("prefetch"):
         parser.error("--prefetch runs in decode mode only (a prefill forward has no next token to guess for)")
     if not args.prefill:  # a decode run serves these only at its own fractions
-        for flag in ("coded", "prefetch", "floor", "serial", "unlanded"):
+        for flag in ("coded", "prefetch", "floor", "serial", "unlanded", "landed_whole"):
             extra = sorted(set(getattr(args, flag)) - set(args.fractions))
             if extra and getattr(args, flag) != parser.get_default(flag):
-                parser.error(f"--{flag} {' '.join(map(str, extra))} is not among --fractions {args.fractions}")
+                parser.error(
+                    f"--{flag.replace('_', '-')} {' '.join(map(str, extra))} is not among --fractions {args.fractions}"
+                )
     if args.dry_run and args.batch_sizes == parser.get_default("batch_sizes"):
         args.batch_sizes = [1, 16]  # 16: several passes at 25%, and the grouped apply
     if args.dry_run:
@@ -855,7 +890,7 @@ def build_bench(args) -> tuple[Bench, list[dict]]:
 
 
 #: The settings (--overlap, --chain, --copy-priority, landing counts) whose rows `replot` draws: the
-#: defaults, not ablations (``--unlanded`` rows say ``landing`` off).
+#: defaults, not ablations (``--unlanded`` rows say ``landing`` off, ``--landed-whole`` ones whole).
 PLOTTED = ("on", "on", "high", "on")
 
 

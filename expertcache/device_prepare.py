@@ -82,9 +82,10 @@ from expertcache.errors import CacheCapacityError
 from expertcache.host_prepare import local_keys
 from expertcache.kernels._launch import chains_launches, on_device
 from expertcache.kernels.admission import admit
+from expertcache.kernels.landing import Counting
 from expertcache.kernels.passes import assign_passes
 from expertcache.kernels.slot_tables import SlotTables
-from expertcache.mover import copy_with_engine, copy_with_kernel, landing_target, restore_slots
+from expertcache.mover import copy_with_engine, copy_with_kernel, landing_counting, restore_slots
 from expertcache.passes import OVERLAP_MAX_IDS, max_passes
 from expertcache.policies import EvictionPolicy
 from expertcache.result import Landing
@@ -145,8 +146,8 @@ def passes(
     overlap = overlap and not torch.compiler.is_compiling()  # a traced op runs on no side stream
     count = max_passes(topk_ids.numel(), layer.num_experts, pool.share, overlap=overlap)
     if overlap and pool.share < layer.num_experts:  # else nothing is missed once warm: one pass
-        target = landing_target(layer.copy_groups) if landing and _lands_apart(pool) else None
-        yield from _overlapped_passes(pool, layer, topk_ids.contiguous(), count, target)
+        counting = landing_counting(layer.copy_groups) if landing and _lands_apart(pool) else None
+        yield from _overlapped_passes(pool, layer, topk_ids.contiguous(), count, counting)
         return
     if count == 1:
         yield prepare(pool, layer, topk_ids), None
@@ -218,12 +219,12 @@ class _Enqueued(NamedTuple):
 
 
 def _overlapped_passes(
-    pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, count: int, target: int | None
+    pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, count: int, counting: Counting | None
 ) -> Iterator[tuple[torch.Tensor, Landing | None]]:
     """``count`` passes (one for a call that fits), pass 0 split into its hits and its
     misses, every admission and copy on the pool's copy stream in pass order. Pass g's
     results are yielded once the current stream waits for its admission (hits, or with
-    landing counts, ``target`` not None) or its copies; pass g + 1 is enqueued before pass
+    landing counts, ``counting`` not None) or its copies; pass g + 1 is enqueued before pass
     g is yielded, after the caller's kernels of pass g - 1: the slots it overwrites are only
     ever those of passes before g."""
     pass_of = pool.no_passes
@@ -236,7 +237,7 @@ def _overlapped_passes(
     enqueued: list[_Enqueued] = []  # their counters live until the copy stream is joined
 
     def enqueue(index: int, split: bool = False) -> _Enqueued:
-        enqueued.append(_enqueue_pass(pool, layer, ids, pass_of, index, target, split))
+        enqueued.append(_enqueue_pass(pool, layer, ids, pass_of, index, counting, split))
         return enqueued[-1]
 
     try:
@@ -285,17 +286,17 @@ def _enqueue_pass(
     ids: torch.Tensor,
     pass_of: torch.Tensor,
     index: int,
-    target: int | None,
+    counting: Counting | None,
     split: bool = False,
 ) -> _Enqueued:
     """Admit pass ``index`` of an overlapped call and copy its misses, both on the pool's
     copy stream after what the current stream holds (atomic like a call: a failure is
-    undone there), counting what lands when ``target`` is given. The outputs are allocated
+    undone there), counting what lands when ``counting`` is given. The outputs are allocated
     on the current stream, which reads them."""
     copy_stream = pool.copy_stream()
     out = torch.empty_like(ids)
     misses = torch.empty_like(ids) if split else None
-    landed = None if target is None else torch.empty(pool.num_slots, dtype=torch.int32, device=pool.device)
+    landed = None if counting is None else torch.empty(pool.num_slots, dtype=torch.int32, device=pool.device)
     named = dict(pool.tensors)
     passes = pass_of if pass_of.numel() else None
     where: dict[str, Any] = dict(num_global=layer.num_global, key_offset=layer.key_offset)
@@ -306,12 +307,15 @@ def _enqueue_pass(
                 assign_passes(pool.tables, ids, layer.global_to_local, passes, overlap=True, **where)
             admit(
                 pool.tables, ids, layer.global_to_local, out, layer=layer.index, passes=passes, pass_index=index,
-                miss_out=misses, key_layer=pool.key_layer, landed=landed, landed_target=target or 0, **where,
+                miss_out=misses, key_layer=pool.key_layer, landed=landed,
+                landed_target=0 if counting is None else counting.target, **where,
             )  # fmt: skip
             admitted = _recorded(copy_stream) if split or landed is not None else None
             copy_with_kernel(named, layer.store, pool.tables.plan, layer.copy_groups, landed)
             copied = _recorded(copy_stream)
-    landing = None if landed is None or target is None else Landing(landed, target)
+    landing = None
+    if landed is not None and counting is not None:
+        landing = Landing(landed, counting.target, counting.gate_up_target, counting.gate_up_mask)
     return _Enqueued(out, misses, landing, admitted, copied)
 
 

@@ -39,6 +39,7 @@ from expertcache.kernels.copy_experts import (
     Segments,
     build_segments,
     copy_experts,
+    segment_chunks,
 )
 from expertcache.kernels.decode_copy import MAX_TENSORS as MAX_DECODED
 from expertcache.kernels.decode_copy import (
@@ -49,6 +50,7 @@ from expertcache.kernels.decode_copy import (
     default_programs,
     scratch_bytes,
 )
+from expertcache.kernels.landing import Counting
 from expertcache.store import CPUBackingStore
 
 MOVERS = ("engine", "kernel")
@@ -140,12 +142,16 @@ def copy_groups(store: CPUBackingStore, device: torch.device | None = None) -> t
     return tuple(groups)
 
 
-def landing_target(groups: Sequence[CopyGroup | DecodeGroup]) -> int | None:
-    """The landing count of one expert over ``groups`` (`expertcache.kernels.landing`): the
-    copy kernel's chunks of every group; None when a group is decoded (no landing counts)."""
-    if not all(isinstance(group, CopyGroup) for group in groups):
+def landing_counting(groups: Sequence[CopyGroup | DecodeGroup]) -> Counting | None:
+    """What one expert's copies over ``groups`` count into its landing counter
+    (`expertcache.kernels.landing`); None when a group is decoded (no landing counts)."""
+    copies = [group for group in groups if isinstance(group, CopyGroup)]
+    if len(copies) != len(groups):
         return None
-    return sum(group.segments.chunks_per_expert for group in groups)  # type: ignore[union-attr]
+    chunks: dict[str, int] = {}
+    for group in copies:
+        chunks.update(zip(group.names, segment_chunks(group.segments), strict=True))
+    return Counting.of(chunks)
 
 
 def copy_with_kernel(
@@ -156,8 +162,10 @@ def copy_with_kernel(
     landed: torch.Tensor | None = None,
 ) -> None:
     """Execute ``plan`` (on the device) from ``store`` into the slot tensors: one launch per
-    group; each counts its chunks into ``landed`` when given (copy groups only)."""
-    if landed is not None and landing_target(groups) is None:
+    group; each counts its chunks into ``landed`` when given (copy groups only), as
+    `landing_counting` says."""
+    counting = landing_counting(groups) if landed is not None else None
+    if landed is not None and counting is None:
         raise ValueError("landing counts need copy groups only (a decoded group counts nothing)")
     for group in groups:
         targets = [slots[name] for name in group.names]
@@ -165,6 +173,7 @@ def copy_with_kernel(
             copy_experts(
                 store.buffer, targets, CopyPlan.of(plan), group.segments,
                 unit=group.unit or store.layout.copy_unit, num_experts=store.num_experts, landed=landed,
+                landed_counts=None if counting is None else tuple(counting.weights[name] for name in group.names),
             )  # fmt: skip
         elif runs_on(targets[0]):
             decode_copy(

@@ -14,11 +14,20 @@ class Landing(NamedTuple):
     Attributes:
         counts: ``[N]`` int32 on the slots' device: slot ``s`` holds its expert once
             ``counts[s] >= target`` (read it on the device, in the kernel that reads the slot).
-        target: an expert's chunks over the layer's copy groups.
+        target: what an expert's copies count over the layer's copy groups.
+        gate_up_target, gate_up_mask: slot ``s`` holds its expert's ``w1`` (and
+            ``w1_scale``) once ``counts[s] & gate_up_mask >= gate_up_target``, maybe before
+            the rest (None, -1: only once it holds the whole expert).
     """
 
     counts: torch.Tensor
     target: int
+    gate_up_target: int | None = None
+    gate_up_mask: int = -1
+
+    def gate_up(self) -> tuple[int, int]:
+        """``(target, mask)`` that a kernel reading only ``w1`` (and ``w1_scale``) waits for."""
+        return (self.target, -1) if self.gate_up_target is None else (self.gate_up_target, self.gate_up_mask)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from helpers import BENCHMARKS, bench_module, traces_env
         ("bench_batch", ["--floor", "0.3"], "--floor 0.3 is not among --fractions"),  # floor at a fraction not run
         ("bench_batch", ["--serial", "0.3"], "--serial 0.3 is not among --fractions"),
         ("bench_batch", ["--unlanded", "0.3"], "--unlanded 0.3 is not among --fractions"),
+        ("bench_batch", ["--landed-whole", "0.3"], "--landed-whole 0.3 is not among --fractions"),
         ("bench_batch", ["--overlap", "maybe"], "--overlap: invalid choice"),
         ("bench_batch", ["--chain", "yes"], "--chain: invalid choice"),
         ("bench_batch", ["--copy-priority", "low"], "--copy-priority: invalid choice"),
@@ -120,13 +121,14 @@ def test_copy_service_plans_name_distinct_experts_and_slots():
 def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
     """Also the ``--serial`` rows: the same function, passes one after the other (full
     groups where the overlapped rows take half ones); and the ``--unlanded`` rows: the same
-    copies and output, the apply waiting for whole copies; the shared pool's floor (``device
+    copies and output, the apply waiting for whole copies; the ``--landed-whole`` rows: the
+    same, gate_up waiting for whole experts, not their w1; the shared pool's floor (``device
     global copies only``) against ``device global``. The ``dense only`` row (the resident
     step without expert compute) copies nothing and sets every cached row's causal bound."""
     flags = ["--dry-run", "--only", "device 25%", "global 25%", "copies only", "serial", "unlanded",
-             "--batch-sizes", "1", "8",
-             "--fractions", "0.25", "--serial", "0.25", "--unlanded", "0.25", "--coded", "--prefetch",
-             "--layers", "2"]  # fmt: skip
+             "landed whole", "--batch-sizes", "1", "8",
+             "--fractions", "0.25", "--serial", "0.25", "--unlanded", "0.25", "--landed-whole", "0.25", "--coded",
+             "--prefetch", "--layers", "2"]  # fmt: skip
     command = [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path)
@@ -144,6 +146,7 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
         "device global copies only",
         "device serial",
         "device unlanded",
+        "device landed whole",
     }
     for batch in ("1", "8"):
         cached, floor, one_by_one = (
@@ -165,6 +168,10 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
         for column in ("mb_copied_per_step", "hit_rate", "max_passes"):
             assert cached[column] == whole[column], column
         assert float(whole["rel_err"]) == 0.0 and (cached["landing"], whole["landing"]) == ("", "off")
+        alike = rows[("device landed whole", batch)]
+        for column in ("mb_copied_per_step", "hit_rate", "max_passes"):
+            assert cached[column] == alike[column], column
+        assert float(alike["rel_err"]) == 0.0 and alike["landing"] == "whole"
         resident, dense = rows[("resident", batch)], rows[("dense only", batch)]
         assert float(dense["mb_copied_per_step"]) == 0 and dense["rel_err"] == ""
         for row in (cached, floor, one_by_one, whole):
@@ -184,3 +191,25 @@ def test_switch_copies_refuse_what_they_cannot_serve():
             switch.SwitchCopies(None, (0,), (8,), [], 4, misses, chained=True)
     if not torch.cuda.is_available():
         assert switch.unavailable() == "no GPU"
+
+
+def test_landed_whole_rows_count_every_name_alike_and_only_they_do():
+    """``--landed-whole``: inside its rows a layer's landing counts keep no name apart (gate_up
+    waits for whole experts); outside, w1 counts apart again, also after an error."""
+    from helpers import random_weights
+
+    from expertcache.layout import layout_from_weights
+    from expertcache.mover import copy_groups, landing_counting
+    from expertcache.store import CPUBackingStore
+
+    bench = bench_module("bench_batch")
+    weights = random_weights(4, 32, 16)
+    groups = copy_groups(CPUBackingStore(layout_from_weights(weights)[1], weights, pin=False))
+    split = landing_counting(groups)
+    assert split is not None and split.gate_up_mask != -1
+    with bench.counting_names_alike():
+        alike = landing_counting(groups)
+        assert alike is not None and alike.gate_up_mask == -1 and alike.gate_up_target == alike.target
+    with pytest.raises(RuntimeError, match="inside"), bench.counting_names_alike():
+        raise RuntimeError("inside")
+    assert landing_counting(groups) == split

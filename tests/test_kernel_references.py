@@ -15,7 +15,13 @@ from expertcache.kernels import moe_apply, moe_apply_torch
 from expertcache.kernels._launch import walk_launch
 from expertcache.kernels.admission import admit, admit_torch
 from expertcache.kernels.commit import commit_plan, commit_plan_torch
-from expertcache.kernels.copy_experts import CopyPlan, build_segments, copy_experts, copy_experts_torch
+from expertcache.kernels.copy_experts import (
+    CopyPlan,
+    build_segments,
+    copy_experts,
+    copy_experts_torch,
+    segment_chunks,
+)
 from expertcache.kernels.passes import assign_passes, assign_passes_torch
 from expertcache.kernels.slot_tables import SlotTables
 from expertcache.layout import ExpertLayout, ExpertTensorSpec
@@ -241,6 +247,19 @@ def test_copy_kernel_equals_reference(device, specs):
     # each of the three copies counted every chunk of its expert into its slot, once
     chunks = segments.chunks_per_expert
     assert chunks > 3 and landed.tolist() == [5, 0 + chunks, 2 + chunks, 9, 1 + chunks]
+    assert torch.equal(landed.cpu(), expected_landed)
+    # counted per segment (the first 1 a chunk, the others 1000): the same copies again
+    counts = (1,) + (1000,) * (len(segments.words) - 1)
+    copy_experts(
+        source, list(kernel.values()), CopyPlan.of(plan), segments,
+        unit=layout.copy_unit, num_experts=num_experts, num_programs=3, landed=landed, landed_counts=counts,
+    )  # fmt: skip
+    copy_experts_torch(source, list(expected.values()), CopyPlan.of(plan.cpu()), segments, unit=layout.copy_unit,
+                       landed=expected_landed, landed_counts=counts)  # fmt: skip
+    per_chunk = segment_chunks(segments)
+    weighted = per_chunk[0] + 1000 * sum(per_chunk[1:])
+    assert sum(per_chunk) == chunks and landed.tolist() == [5, chunks + weighted, 2 + chunks + weighted, 9,
+                                                            1 + chunks + weighted]  # fmt: skip
     assert torch.equal(landed.cpu(), expected_landed)
     stored = layout.views(source, num_experts)
     assert torch.equal(kernel["t0"][4].cpu(), stored["t0"][6]) and torch.equal(kernel["t1"][1].cpu(), stored["t1"][0])

@@ -23,9 +23,10 @@ from expertcache.decode_stack import DecodeStack
 from expertcache.kernels import moe_apply, moe_apply_passes
 from expertcache.kernels.admission import admit
 from expertcache.kernels.copy_experts import CopyPlan, copy_experts
+from expertcache.kernels.landing import DOWN_UNIT, Counting
 from expertcache.kernels.quant_passes import moe_apply_quant_passes
 from expertcache.kernels.slot_tables import SlotTables
-from expertcache.mover import landing_target
+from expertcache.mover import landing_counting
 from expertcache.result import Landing
 
 HIDDEN, INTER, EXPERTS = 32, 16, 12
@@ -48,8 +49,10 @@ def test_landed_passes_carry_full_counters_and_compute_what_the_others_do(device
     others, bit for bit, and the full weights' apply."""
     counted = device == "cpu"  # eager GPU calls wait for whole copies
     (landed, plain), full, gen = _providers(device)
-    target = landing_target(landed.layer.copy_groups)
-    assert target is not None and target > 1
+    counting = landing_counting(landed.layer.copy_groups)
+    assert counting is not None and counting.gate_up_mask == DOWN_UNIT - 1  # w1 counted apart from w2
+    target = counting.target
+    assert target > counting.gate_up_target >= 1
     several = 0
     for step in range(8):
         tokens = 1 + step % 3
@@ -63,6 +66,7 @@ def test_landed_passes_carry_full_counters_and_compute_what_the_others_do(device
                 seen.append(result.landing)
                 if result.landing is not None:  # read while this pass is current: its slots are its own
                     assert result.landing.target == target
+                    assert result.landing.gate_up() == (counting.gate_up_target, DOWN_UNIT - 1)
                     served = result.topk_ids[result.topk_ids >= 0].long()
                     assert bool((result.landing.counts[served] == target).all())
                 yield result
@@ -139,12 +143,16 @@ def test_bad_landing_input_is_refused_and_changes_nothing(device):
         torch.tensor([[0, 1, 2], [3, 0, 1]], device=device)
     )
     full = torch.full((4,), 9, dtype=torch.int32, device=device)
-    for counts, target, message in (
-        (full.long(), 9, "int32 counter per slot"),
-        (full[:2], 9, "int32 counter per slot"),
-        (full, 0, "positive int"),
+    for counts, target, gate_up, message in (
+        (full.long(), 9, (None, -1), "int32 counter per slot"),
+        (full[:2], 9, (None, -1), "int32 counter per slot"),
+        (full, 0, (None, -1), "positive int"),
+        (full, 9, (0, 15), "positive int"),
+        (full, 9, (True, 15), "positive int"),
+        (full, 9, (9, 2**40), "gate_up_mask must be an int32 bit mask"),
+        (full, 9, (9, 15.0), "gate_up_mask must be an int32 bit mask"),
     ):
-        bad = dataclasses.replace(result, landing=Landing(counts, target))
+        bad = dataclasses.replace(result, landing=Landing(counts, target, *gate_up))
         with pytest.raises(ValueError, match=message):
             moe_apply_passes(hidden, [bad], router)
     landed = dataclasses.replace(result, landing=Landing(full, 9))
@@ -166,6 +174,26 @@ def test_bad_landing_input_is_refused_and_changes_nothing(device):
     with pytest.raises(ValueError, match="landed must be an int32 counter per slot"):
         copy_experts(torch.zeros(64, dtype=torch.uint8), slots, plan, segments, unit=4, num_experts=2,
                      landed=torch.zeros(3, dtype=torch.int32, device=device))  # fmt: skip
+    counters = torch.zeros(4, dtype=torch.int32, device=device)
+    for counts in ((1,), (1, 0), (1, True), (1, 1.0), (1, 2**31)):
+        with pytest.raises(ValueError, match="landed_counts"):
+            copy_experts(torch.zeros(64, dtype=torch.uint8), slots, plan, segments, unit=4, num_experts=2,
+                         landed=counters, landed_counts=counts)  # fmt: skip
+    assert not counters.any()
+
+
+def test_counting_keeps_gate_ups_names_apart_where_an_int32_holds_both():
+    split = Counting.of({"w1": 3, "w2": 2})
+    assert split == Counting({"w1": 1, "w2": DOWN_UNIT}, 3 + 2 * DOWN_UNIT, 3, DOWN_UNIT - 1)
+    scaled = Counting.of({"w1": 4, "w2": 2, "w1_scale": 1, "w2_scale": 1})
+    assert scaled.weights == {"w1": 1, "w2": DOWN_UNIT, "w1_scale": 1, "w2_scale": DOWN_UNIT}
+    assert (scaled.target, scaled.gate_up_target) == (5 + 3 * DOWN_UNIT, 5)
+    # not split: no w1, only w1, w1's chunks past the low bits, or w2's past an int32
+    for chunks in ({"w2": 5}, {"w1": 5}, {"w1": DOWN_UNIT, "w2": 1}, {"w1": 1, "w2": 2**15}):
+        whole = Counting.of(chunks)
+        total = sum(chunks.values())
+        assert whole == Counting(dict.fromkeys(chunks, 1), total, total, -1), chunks
+    assert Counting.of({"w1": 1, "w2": 2**15 - 1}).gate_up_mask == DOWN_UNIT - 1  # the largest that fits
 
 
 @pytest.mark.parametrize("device", devices())

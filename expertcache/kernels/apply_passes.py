@@ -106,8 +106,14 @@ def sum_over_passes(
 
 
 def check_landing(landing: Landing, w1: torch.Tensor) -> None:
-    """A result's `Landing` counters: ``[N]`` int32 on the weights' device, a positive target."""
+    """A result's `Landing` counters: ``[N]`` int32 on the weights' device, a positive
+    target, and a gate_up target (None, or positive) with an int mask."""
     check_landed(landing.counts, w1.shape[0], w1.device, landing.target)
+    if landing.gate_up_target is not None:
+        check_landed(landing.counts, w1.shape[0], w1.device, landing.gate_up_target)
+    mask = landing.gate_up_mask
+    if isinstance(mask, bool) or not isinstance(mask, int) or not -(2**31) <= mask < 2**31:
+        raise ValueError(f"gate_up_mask must be an int32 bit mask, got {mask!r}")
 
 
 def moe_apply_passes(

@@ -19,11 +19,12 @@ bandwidth. Copies naming a row or slot out of range are skipped. On sm_90 and la
 launch is chained to the admission before it (`expertcache.kernels._launch.chained`): its
 programs start while the admission runs and wait on the GPU for its plan.
 
-Given a ``landed`` counter per slot (`expertcache.kernels.landing`), each program adds the
-chunks it has stored into a slot once it moves on to another expert (a barrier, then a
-release at GPU scope), so ``landed[slot]`` reaches the expert's chunk count when its last
-byte is in the slot, and an apply kernel can start on each expert as it lands instead of
-waiting for the whole launch.
+Given a ``landed`` counter per slot (`expertcache.kernels.landing`), each program adds
+what the chunks it has stored into a slot count (``landed_counts``, per name) once it moves
+on to another name or expert (a barrier, then a release at GPU scope), so ``landed[slot]``
+reaches the expert's target when its last byte is in the slot, and an apply kernel can
+start on each expert (or on the names it reads first) as it lands instead of waiting for
+the whole launch.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def _copy_experts_kernel(
     words0, words1, words2, words3, words4, words5, words6, words7,
     first1, first2, first3, first4, first5, first6, first7,
     num_experts, num_slots, chunks_per_expert, landed_ptr,
+    count0, count1, count2, count3, count4, count5, count6, count7,
     BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_SEGMENTS: tl.constexpr, ALIGN: tl.constexpr,
     PDL: tl.constexpr, SIGNAL: tl.constexpr,
 ):  # fmt: skip
@@ -61,44 +63,53 @@ def _copy_experts_kernel(
         gdc_launch_dependents()
         gdc_wait()
     count = tl.minimum(tl.load(count_ptr).to(tl.int32), num_slots)
-    stored = 0  # SIGNAL: chunks this program stored into `filling` and has not yet counted
+    stored = 0  # SIGNAL: what the chunks this program stored into `filling` count, not yet counted
     filling = tl.program_id(0).to(tl.int64) * 0 - 1
+    filling_segment = filling
     for work in range(tl.program_id(0), count * chunks_per_expert, NUM_PROGRAMS):
         rank = work // chunks_per_expert
         chunk = work % chunks_per_expert
         expert = tl.load(experts_ptr + stride * rank).to(tl.int64)
         slot = tl.load(slot_ids_ptr + stride * rank).to(tl.int64)
-        if SIGNAL:
-            if slot != filling:  # another expert: count the last one's chunks, once all are stored
-                _count_landed(landed_ptr, filling, stored, num_slots)
-                stored = 0
-                filling = slot
-            stored += 1
         # the segment of this chunk: the last whose first chunk it reaches (int64 throughout:
         # the arguments come as int32, int64 or constants, and every branch must agree)
         zero = (chunk * 0).to(tl.int64)
-        offset, words, first, destination = zero + offset0, zero + words0, zero, slots0
+        offset, words, first, destination, counts = zero + offset0, zero + words0, zero, slots0, zero + count0
         if NUM_SEGMENTS > 1:
             if chunk >= first1:
                 offset, words, first, destination = zero + offset1, zero + words1, zero + first1, slots1
+                counts = zero + count1
         if NUM_SEGMENTS > 2:
             if chunk >= first2:
                 offset, words, first, destination = zero + offset2, zero + words2, zero + first2, slots2
+                counts = zero + count2
         if NUM_SEGMENTS > 3:
             if chunk >= first3:
                 offset, words, first, destination = zero + offset3, zero + words3, zero + first3, slots3
+                counts = zero + count3
         if NUM_SEGMENTS > 4:
             if chunk >= first4:
                 offset, words, first, destination = zero + offset4, zero + words4, zero + first4, slots4
+                counts = zero + count4
         if NUM_SEGMENTS > 5:
             if chunk >= first5:
                 offset, words, first, destination = zero + offset5, zero + words5, zero + first5, slots5
+                counts = zero + count5
         if NUM_SEGMENTS > 6:
             if chunk >= first6:
                 offset, words, first, destination = zero + offset6, zero + words6, zero + first6, slots6
+                counts = zero + count6
         if NUM_SEGMENTS > 7:
             if chunk >= first7:
                 offset, words, first, destination = zero + offset7, zero + words7, zero + first7, slots7
+                counts = zero + count7
+        if SIGNAL:
+            if (slot != filling) | (first != filling_segment):  # count the last name's chunks, all stored
+                _count_landed(landed_ptr, filling, stored, num_slots)
+                stored = 0
+                filling = slot
+                filling_segment = first
+            stored += counts
         if (expert >= 0) & (expert < num_experts) & (slot >= 0) & (slot < num_slots):
             start = (chunk - first) * BLOCK
             lanes = tl.arange(0, BLOCK)
@@ -185,9 +196,12 @@ def copy_experts_torch(
     *,
     unit: int,
     landed: torch.Tensor | None = None,
+    landed_counts: tuple[int, ...] | None = None,
 ) -> None:
     """Reference of `copy_experts`: for every planned copy, each name's expert words into its
-    slot (and its chunk count added to ``landed[slot]``)."""
+    slot (and what its chunks count added to ``landed[slot]``)."""
+    counts = _counts(segments, landed_counts)
+    per_expert = sum(chunks * count for chunks, count in zip(segment_chunks(segments), counts, strict=True))
     source_words = source.view(_WORD[unit])
     count = int(plan.num_copies.reshape(-1)[0])
     experts = plan.experts[: plan.stride * count : plan.stride].tolist()
@@ -197,7 +211,7 @@ def copy_experts_torch(
             chunk = source_words[offset + expert * words : offset + (expert + 1) * words]
             tensor.reshape(-1).view(_WORD[unit])[slot * words : (slot + 1) * words] = chunk.to(tensor.device)
         if landed is not None:
-            landed[slot] += segments.chunks_per_expert
+            landed[slot] += per_expert
 
 
 def copy_experts(
@@ -210,6 +224,7 @@ def copy_experts(
     num_experts: int,
     num_programs: int | None = None,
     landed: torch.Tensor | None = None,
+    landed_counts: tuple[int, ...] | None = None,
 ) -> None:
     """Copy the planned experts without reading the plan on the host.
 
@@ -224,9 +239,10 @@ def copy_experts(
         num_experts: rows of the store (copies naming others are skipped).
         num_programs: programs of the persistent grid (fixed: graph-safe); default
             ``DEFAULT_PROGRAMS`` on a GPU, 2 when interpreted (programs run one by one there).
-        landed: optional ``[S]`` int32 counters on the slots' device: each copy adds
-            ``segments.chunks_per_expert`` to its slot's, chunk by chunk as they are stored
-            (`expertcache.kernels.landing`).
+        landed: optional ``[S]`` int32 counters on the slots' device: each stored chunk of
+            segment ``n`` adds ``landed_counts[n]`` to its slot's (`expertcache.kernels.landing`).
+        landed_counts: positive ints, one per segment (default 1 each: ``landed[slot]``
+            grows by ``segments.chunks_per_expert`` per copy).
     """
     if source.dtype != torch.uint8 or source.dim() != 1:
         raise ValueError("source must be a flat uint8 buffer")
@@ -238,6 +254,7 @@ def copy_experts(
         raise RuntimeError("the copy kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
     if landed is not None:
         check_landed(landed, slots[0].shape[0], slots[0].device)
+    counts = _counts(segments, landed_counts)
     word = _WORD[unit]
     if num_programs is None:
         num_programs = DEFAULT_PROGRAMS if slots[0].is_cuda else 2
@@ -253,10 +270,32 @@ def copy_experts(
         source_arg, *destinations, plan.num_copies, plan.experts, plan.slots, plan.stride,
         *segments.offsets, *(0,) * pad, *segments.words, *(0,) * pad, *segments.first_chunks[1:], *(0,) * pad,
         num_experts, slots[0].shape[0], segments.chunks_per_expert,
-        landed if landed is not None else plan.num_copies,
+        landed if landed is not None else plan.num_copies, *counts, *(0,) * pad,
         BLOCK=segments.block, NUM_PROGRAMS=num_programs, NUM_SEGMENTS=len(slots), ALIGN=segments.align,
         SIGNAL=landed is not None, num_warps=warps_for(segments.block), **chained(slots[0].device),
     )  # fmt: skip
+
+
+def segment_chunks(segments: Segments) -> tuple[int, ...]:
+    """Chunks one expert takes in each segment."""
+    ends = (*segments.first_chunks[1:], segments.chunks_per_expert)
+    return tuple(end - first for first, end in zip(segments.first_chunks, ends, strict=True))
+
+
+def _counts(segments: Segments, landed_counts: tuple[int, ...] | None) -> tuple[int, ...]:
+    """What one chunk of each segment counts (checked: a positive int per segment, and an
+    expert's total within int32)."""
+    if landed_counts is None:
+        return (1,) * len(segments.words)
+    if len(landed_counts) != len(segments.words) or any(
+        isinstance(count, bool) or not isinstance(count, int) or count < 1 for count in landed_counts
+    ):
+        raise ValueError(
+            f"landed_counts must be a positive int per segment ({len(segments.words)}), got {landed_counts!r}"
+        )
+    if sum(c * n for c, n in zip(landed_counts, segment_chunks(segments), strict=True)) > 2**31 - 1:
+        raise ValueError("landed_counts overflow an int32 counter over one expert")
+    return tuple(landed_counts)
 
 
 def warps_for(block: int) -> int:

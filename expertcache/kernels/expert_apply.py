@@ -45,7 +45,7 @@ def _scaled(weights, scale_ptr, rows, cols, mask, HAS_SCALE: tl.constexpr, SCALE
 def _gate_up_kernel(
     hidden_ptr, w1_ptr, scale_ptr, ids_ptr, act_ptr,
     hidden_size, inter_size, top_k, num_rows, stride_token, stride_expert, stride_row,
-    stride_scale_expert, stride_scale_row, landed_ptr, landed_target, done_ptr,
+    stride_scale_expert, stride_scale_row, landed_ptr, landed_target, landed_mask, done_ptr,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     PDL: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
@@ -61,8 +61,8 @@ def _gate_up_kernel(
     gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
     up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
     if (expert >= 0) & (expert < num_rows):  # anything else contributes nothing, reads nothing
-        if WAIT:  # the slot's copy may still be arriving (expertcache.kernels.landing)
-            wait_landed(landed_ptr, expert, landed_target)
+        if WAIT:  # the slot's w1 may still be arriving (expertcache.kernels.landing)
+            wait_landed(landed_ptr, expert, landed_target, landed_mask)
         x_row = hidden_ptr + (pair // top_k) * stride_token
         gate_rows = w1_ptr + expert * stride_expert + rows.to(tl.int64)[:, None] * stride_row
         up_rows = gate_rows + inter_size * stride_row
@@ -91,7 +91,7 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr, w2_ptr, scale_ptr, ids_ptr, weights_ptr, part_ptr,
     hidden_size, inter_size, num_rows, stride_expert, stride_row, stride_scale_expert, stride_scale_row,
-    done_ptr, done_target,
+    done_ptr, done_target, landed_ptr, landed_target,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     WRITE_ALL: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
@@ -106,8 +106,9 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     served = (expert >= 0) & (expert < num_rows)
     if served:
-        if WAIT:  # every gate_up tile of this pair has stored its act
-            wait_landed(done_ptr, pair, done_target)
+        if WAIT:  # every gate_up tile of this pair has stored its act, and the slot's w2 has landed
+            wait_landed(done_ptr, pair, done_target, -1)
+            wait_landed(landed_ptr, expert, landed_target, -1)
         w_rows = w2_ptr + expert * stride_expert + rows.to(tl.int64)[:, None] * stride_row
         scales = scale_ptr + expert * stride_scale_expert
         for start in range(0, inter_size, BLOCK_I):
@@ -270,9 +271,10 @@ def launch_pairs(
 ) -> None:
     """gate_up and down over every (token, choice): ``part[t*K + k]`` = weighted expert
     output for ids in ``[0, N)``; other rows get zeros (``write_all``) or stay as they were.
-    With ``landing`` (`expertcache.result.Landing`) gate_up waits for each slot to land and
-    counts each pair's stored tiles into ``done`` (``[T*K]`` int32, zero for this pass's
-    pairs), and down starts on each pair as its tiles are counted, not after all of gate_up."""
+    With ``landing`` (`expertcache.result.Landing`) gate_up waits for each slot's ``w1`` to
+    land (``landing.gate_up()``) and counts each pair's stored tiles into ``done``
+    (``[T*K]`` int32, zero for this pass's pairs), and down starts on each pair as its tiles
+    are counted and its slot has landed whole, not after all of gate_up."""
     tokens, top_k = ids.shape
     hidden_size, inter_size, num_rows = w2.shape[1], w2.shape[2], w1.shape[0]
     has_scale = w1_scale is not None
@@ -288,21 +290,25 @@ def launch_pairs(
     _gate_up_kernel[(pairs, triton.cdiv(inter_size, gate_rows))](
         hidden, w1, scale1, ids, act, hidden_size, inter_size, top_k, num_rows,
         hidden.stride(0), w1.stride(0), w1.stride(1), scale1.stride(0), scale1.stride(1),
-        *landing_args(landing, ids), done_arg,
+        *landing_args(landing, ids, gate_up=True), done_arg,
         BLOCK_I=gate_rows, BLOCK_H=gate_cols, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block, num_warps=gate_warps,
         WAIT=waits, **chained(hidden.device),
     )  # fmt: skip
     _down_kernel[(pairs, triton.cdiv(hidden_size, down_rows))](
         act, w2, scale2, ids, weights, part, hidden_size, inter_size, num_rows,
         w2.stride(0), w2.stride(1), scale2.stride(0), scale2.stride(1), done_arg, triton.cdiv(inter_size, gate_rows),
+        *landing_args(landing, ids)[:2],
         BLOCK_H=down_rows, BLOCK_I=down_cols, HAS_SCALE=has_scale, SCALE_BLOCK=scale_block, WRITE_ALL=write_all,
         WAIT=waits, num_warps=down_warps, **chained(hidden.device),
     )  # fmt: skip
 
 
-def landing_args(landing, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(landed_ptr, landed_target)`` kernel arguments: the counters, or any int pointer."""
-    return (landing.counts, landing.target) if landing is not None else (ids, 0)
+def landing_args(landing, ids: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, int, int]:
+    """``(landed_ptr, landed_target, landed_mask)`` kernel arguments of a kernel that reads
+    whole slots, or (``gate_up``) only their ``w1``: the counters, or any int pointer."""
+    if landing is None:
+        return ids, 0, -1
+    return (landing.counts, *landing.gate_up()) if gate_up else (landing.counts, landing.target, -1)
 
 
 def launch_sum(

@@ -55,7 +55,7 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 def _gate_up_kernel(
     hidden_ptr, w1_ptr, pair_ptr, expert_ptr, act_ptr,
     hidden_size, inter_size, top_k, num_pairs, num_experts, stride_token, stride_expert, stride_row,
-    landed_ptr, landed_target,
+    landed_ptr, landed_target, landed_mask,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
     WAIT: tl.constexpr,
 ):  # fmt: skip
@@ -64,7 +64,7 @@ def _gate_up_kernel(
     if (expert < 0) | (expert >= num_experts):  # past the used blocks, or pairs that contribute nothing
         return
     if WAIT:  # the slot's copy may still be arriving (expertcache.kernels.landing)
-        wait_landed(landed_ptr, expert, landed_target)
+        wait_landed(landed_ptr, expert, landed_target, landed_mask)
     rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_ptr + rows)
     row_mask = pairs < num_pairs  # padding holds num_pairs
