@@ -109,7 +109,7 @@ def _copy_experts_kernel(
                 stored = 0
                 filling = slot
                 filling_segment = first
-            stored += counts
+            stored += counts.to(tl.int32)  # int32, as the counter (a loop-carried value keeps its type)
         if (expert >= 0) & (expert < num_experts) & (slot >= 0) & (slot < num_slots):
             start = (chunk - first) * BLOCK
             lanes = tl.arange(0, BLOCK)
