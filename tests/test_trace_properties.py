@@ -236,7 +236,7 @@ def traces(draw) -> RoutingTrace:
         forward_starts=starts,
         request_starts=requests,
         layers=sorted(draw(st.sets(st.integers(0, 2**40), min_size=layers, max_size=layers))),
-        num_experts=draw(st.integers(max(ids, default=0) + 1, 2**31 - 1)),
+        num_experts=draw(st.integers(max(ids, default=-1) + 1 or 1, 2**31 - 1)),  # ids may all be -1
         model=draw(text),
         source=draw(text),
         notes=draw(text),

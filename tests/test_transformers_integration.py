@@ -247,10 +247,14 @@ def test_recorded_trace_matches_the_routers_and_round_trips(tmp_path):
 
 def test_recorder_rejects_inconsistent_calls():
     recorder = RoutingRecorder(layers=[0, 1], num_experts=8)
-    recorder.record(0, np.zeros((3, 2), dtype=np.int64))
+
+    def top(tokens, k):  # experts 0..k-1 for every token: a router's top-k are distinct
+        return np.tile(np.arange(k, dtype=np.int64), (tokens, 1))
+
+    recorder.record(0, top(3, 2))
     with pytest.raises(ValueError, match="routed 2 tokens"):
-        recorder.record(1, np.zeros((2, 2), dtype=np.int64))
+        recorder.record(1, top(2, 2))
     with pytest.raises(ValueError, match="not one of"):
-        recorder.record(5, np.zeros((3, 2), dtype=np.int64))
+        recorder.record(5, top(3, 2))
     with pytest.raises(ValueError, match="top-k changed"):
-        recorder.record(1, np.zeros((3, 4), dtype=np.int64))
+        recorder.record(1, top(3, 4))
