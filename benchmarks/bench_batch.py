@@ -216,7 +216,6 @@ class Variant:
     overlap: bool = True  # False: the stack asks for passes one after the other (``--serial``)
     landing: bool = True  # False: the apply waits for a pass's whole copy, not each expert (``--unlanded``)
     landed_whole: bool = False  # True: gate_up waits for a whole expert's landing, not its w1 (``--landed-whole``)
-    prefetch_behind: bool = True  # False: layer l+1's prefetch shares the link with l's copies (``--prefetch-beside``)
 
 
 def cached(
@@ -276,10 +275,9 @@ def drain_passes(hidden: torch.Tensor, results, topk_weights: torch.Tensor) -> t
     return torch.zeros_like(hidden)
 
 
-def prefetching(bench: Bench, fraction: float, right: int, behind: bool = True) -> Variant:
+def prefetching(bench: Bench, fraction: float, right: int) -> Variant:
     variant = cached(bench, fraction, "device", False)
-    name = f"device prefetch {right}/{bench.shape['top_k']}{'' if behind else ' beside'}"
-    return dataclasses.replace(variant, name=name, right=right, prefetch_behind=behind)
+    return dataclasses.replace(variant, name=f"device prefetch {right}/{bench.shape['top_k']}", right=right)
 
 
 def oracle_guesses(routing: torch.Tensor, right: int, num_experts: int) -> torch.Tensor:
@@ -302,7 +300,6 @@ def variant_builders(
     serial_at: list[float],
     unlanded_at: list[float] = (),  # type: ignore[assignment]
     landed_whole_at: list[float] = (),  # type: ignore[assignment]
-    prefetch_beside: list[float] = (),  # type: ignore[assignment]
 ) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
@@ -323,12 +320,10 @@ def variant_builders(
         if fraction in landed_whole_at:
             label = f"device landed whole {fraction:.0%}"
             builders.append((label, functools.partial(landed_whole, bench, fraction)))
-        for behind in (True, False):
-            if fraction not in (prefetch if behind else prefetch_beside):
-                continue
+        if fraction in prefetch:
             for right in sorted({bench.shape["top_k"], 3 * bench.shape["top_k"] // 4}, reverse=True):
-                label = f"device prefetch {right}/{bench.shape['top_k']}{'' if behind else ' beside'} {fraction:.0%}"
-                builders.append((label, functools.partial(prefetching, bench, fraction, right, behind)))
+                label = f"device prefetch {right}/{bench.shape['top_k']} {fraction:.0%}"
+                builders.append((label, functools.partial(prefetching, bench, fraction, right)))
     return builders
 
 
@@ -345,8 +340,6 @@ def make_stack(bench: Bench, variant: Variant) -> DecodeStack:
         options["overlap"] = False
     if not variant.landing and not variant.copies_only:
         options["landing"] = False
-    if not variant.prefetch_behind:
-        options["prefetch_behind"] = False
     shape = bench.shape
     return DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=bench.device,
                        **options)  # fmt: skip
@@ -435,8 +428,7 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
     if variant.landed_whole:
         row["landing"] = "whole"
     if variant.right is not None:
-        row.update(right=variant.right, mb_prefetched_per_step=prefetched / 1e6,
-                   prefetch="behind" if variant.prefetch_behind else "beside")  # fmt: skip
+        row.update(right=variant.right, mb_prefetched_per_step=prefetched / 1e6)
     if "coded" in variant.name:  # PCIe carried the coded bytes
         coded = delta.compressed_bytes_h2d / steps
         row.update(mb_coded_per_step=coded / 1e6, coded_copy_ms=coded / (bench.copy_gbps * 1e6))
@@ -562,7 +554,7 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
     save(new)
     providers.clear()
     builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor, args.serial,
-                                args.unlanded, args.landed_whole, args.prefetch_beside)  # fmt: skip
+                                args.unlanded, args.landed_whole)  # fmt: skip
     if args.only:
         builders = [(label, build) for label, build in builders if any(part in label for part in args.only)]
         if not builders:
@@ -785,10 +777,6 @@ def parse_args() -> argparse.Namespace:
                              "temporary folder)")  # fmt: skip
     parser.add_argument("--prefetch", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode with oracle prefetches at these fractions (none given: none)")  # fmt: skip
-    parser.add_argument("--prefetch-beside", type=float, nargs="*", default=[], metavar="FRACTION",
-                        help="oracle prefetches at these fractions that start at the layer's router and share "
-                             "the link with its copies, beside the --prefetch rows (which queue behind "
-                             "them): the queue's gain in one process")  # fmt: skip
     parser.add_argument("--coded", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode over exponent-coded stores at these fractions (prefill: any adds it; "
                              "none given: no coded variant)")  # fmt: skip
@@ -847,12 +835,10 @@ def parse_args() -> argparse.Namespace:
     if args.only and args.prefill:
         parser.error("--only picks decode variants; a prefill run has its own fixed set")
 
-    for flag in ("prefetch", "prefetch_beside"):
-        if args.prefill and getattr(args, flag) != parser.get_default(flag):
-            parser.error(f"--{flag.replace('_', '-')} runs in decode mode only (a prefill forward has no next "
-                         "token to guess for)")  # fmt: skip
+    if args.prefill and args.prefetch != parser.get_default("prefetch"):
+        parser.error("--prefetch runs in decode mode only (a prefill forward has no next token to guess for)")
     if not args.prefill:  # a decode run serves these only at its own fractions
-        for flag in ("coded", "prefetch", "prefetch_beside", "floor", "serial", "unlanded", "landed_whole"):
+        for flag in ("coded", "prefetch", "floor", "serial", "unlanded", "landed_whole"):
             extra = sorted(set(getattr(args, flag)) - set(args.fractions))
             if extra and getattr(args, flag) != parser.get_default(flag):
                 parser.error(

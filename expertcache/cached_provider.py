@@ -199,12 +199,6 @@ class CachedWeightProvider(ExpertWeightProvider):
         """
         self.pool.prefetch(self.layer, expert_ids)
 
-    @property
-    def copy_stream(self) -> torch.cuda.Stream | None:
-        """The side stream this cache's overlapped calls and prefetches copy on (the pool's;
-        None on the CPU). An engine can queue other work behind the copies enqueued there."""
-        return self.pool.copy_stream()
-
     def check_prefetch(self, expert_ids: torch.Tensor) -> None:
         """Raise as `prefetch` would for ``expert_ids``, changing nothing (`SlotPool.check_prefetch`)."""
         self.pool.check_prefetch(self.layer, expert_ids)

@@ -15,18 +15,9 @@ misses are copied on a side stream, then its misses. The apply sums passes exact
 output is the same bits.
 
 ``step(h, routing, prefetch)`` also hands each layer's predicted experts to the next
-layer's cache (``providers[l + 1].prefetch``, device mode). The prefetch is enqueued once
-this layer's router has run and queues behind this layer's copies on the link: its copies
-start as this layer's last copy ends and overlap this layer's apply and the next layer's
-dense part and router, which would otherwise leave the link idle (``prefetch_behind``;
-without it the two layers' copies share the link)::
-
-    copy stream l      admit l, copy l's misses ─┐
-    queue              waits for l's router ─────┴─> prefetch l + 1: admit, copy (stream l + 1)
-    current stream     apply l, dense l + 1, router l + 1, call l + 1 (joins the prefetch)
-
-Any predictor fits; the benchmarks use the trace itself (an oracle) to measure what a good
-one could win.
+layer's cache as soon as this layer's router has run (``providers[l + 1].prefetch``, device
+mode): their copies overlap this layer's work. Any predictor fits; the benchmarks use the
+trace itself (an oracle) to measure what a good one could win.
 
 Routing ids are an input (replayed from a trace, or any router's top-k), so a captured
 graph replays with fresh routing every step. With device-mode providers the captured step
@@ -79,10 +70,6 @@ class DecodeStack:
             apply starts on each expert as it lands: only for an ``apply`` that waits on
             them (`expertcache.kernels.landing`). Default (None): on for `moe_apply_passes`
             (and a ``functools.partial`` of it) when ``overlap`` is, off otherwise.
-        prefetch_behind: where a step's predictions for layer ``l + 1`` queue (``step``'s
-            ``prefetch``): True (default), behind the copies layer ``l`` runs on its pool's
-            copy stream (an overlapped call's), so the link serves this layer's misses first;
-            False, beside them from layer ``l``'s router on (the two share the link).
     """
 
     def __init__(
@@ -97,7 +84,6 @@ class DecodeStack:
         apply: ExpertApply = moe_apply_passes,
         overlap: bool | None = None,
         landing: bool | None = None,
-        prefetch_behind: bool = True,
     ) -> None:
         providers = list(providers)
         hidden_size = check_int("hidden_size", hidden_size, minimum=1)
@@ -111,8 +97,6 @@ class DecodeStack:
             overlap = apply in (moe_apply_passes, moe_apply_quant_passes)
         self.overlap = check_overlap(overlap)
         self._landing = None if landing is None else check_flag("landing", landing)
-        self.prefetch_behind = check_flag("prefetch_behind", prefetch_behind)
-        self._prefetch_queue: torch.cuda.Stream | None = None  # made at the first prefetch on a GPU
         if self._landing and not self.overlap:
             raise ValueError("landing needs overlap: only overlapped passes hand over copies still arriving")
         if self._landing and getattr(apply, "func", apply) is moe_apply_quant_passes:
@@ -149,10 +133,9 @@ class DecodeStack:
             hidden: ``[T, H]`` activations.
             routing: ``[L, T, K]`` int expert ids per layer.
             prefetch: optional ``[L, T, P]`` predicted ids per layer: row ``l + 1`` goes to
-                ``providers[l + 1].prefetch`` once layer ``l``'s router has run, behind layer
-                ``l``'s copies (``prefetch_behind``; row 0 is unused: nothing runs before the
-                first layer); ``T * P`` at most each cache's slots, and layers 1 .. L-1
-                device-mode caches (checked before any layer runs).
+                ``providers[l + 1].prefetch`` once layer ``l``'s router has run (row 0 is
+                unused: nothing runs before the first layer); ``T * P`` at most each cache's
+                slots, and layers 1 .. L-1 device-mode caches (checked before any layer runs).
 
         Returns:
             ``[T, H]`` activations after the last layer.
@@ -165,16 +148,14 @@ class DecodeStack:
         self._check_step(hidden, routing)
         if prefetch is not None:
             self._check_prefetch(prefetch, routing)
-        h, queued = hidden, False
+        h = hidden
         for layer, provider in enumerate(self.providers):
             h = F.rms_norm(h + h @ self.attention[layer], (h.shape[-1],))
             ids = routing[layer]
             logits = (h @ self.router[layer]).float()
             weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
-            ahead = prefetch if layer + 1 < self.num_layers else None  # device-mode caches (checked above)
-            routed = _recorded_on_gpu(h) if ahead is not None and self.prefetch_behind else None  # the queue waits
-            if ahead is not None and not self.prefetch_behind:
-                self._prefetch(layer + 1, ahead)
+            if prefetch is not None and layer + 1 < self.num_layers:  # device-mode caches (checked above)
+                cast("CachedWeightProvider", self.providers[layer + 1]).prefetch(prefetch[layer + 1])
             overlap = self.overlap and ids.numel() <= OVERLAP_MAX_IDS
             if not overlap:
                 results = provider.passes(ids)
@@ -183,37 +164,7 @@ class DecodeStack:
             else:
                 results = provider.passes(ids, overlap=True)
             h = h + self.apply(h, results, weights)
-            if ahead is not None and self.prefetch_behind:  # this layer's copies are all enqueued now
-                queued |= self._prefetch_behind(layer, routed, ahead)
-        if queued:  # joined: a capture must end joined (the prefetches' copies are, by the calls)
-            torch.cuda.current_stream(h.device).wait_stream(self._queue(h.device))
         return h
-
-    def _prefetch(self, layer: int, prefetch: torch.Tensor) -> None:
-        cast("CachedWeightProvider", self.providers[layer]).prefetch(prefetch[layer])
-
-    def _prefetch_behind(self, layer: int, routed: torch.cuda.Event | None, prefetch: torch.Tensor) -> bool:
-        """Prefetch layer ``layer + 1``'s predictions once ``routed`` (layer ``layer``'s
-        router) and the copies layer ``layer`` enqueued on its pool's copy stream are done,
-        without waiting for its apply: from a queue stream the prefetch's own stream joins.
-        Returns whether the queue stream took part (the step joins it at its end)."""
-        if routed is None:  # on the CPU launches run in order
-            self._prefetch(layer + 1, prefetch)
-            return False
-        queue = self._queue(prefetch.device)
-        queue.wait_event(routed)
-        copies = getattr(self.providers[layer], "copy_stream", None)  # a device-mode cache's
-        if copies is not None:
-            queue.wait_stream(copies)
-        with torch.cuda.stream(queue):
-            self._prefetch(layer + 1, prefetch)
-        return True
-
-    def _queue(self, device: torch.device) -> torch.cuda.Stream:
-        """The stream a step's prefetches are enqueued from (made at the first one)."""
-        if self._prefetch_queue is None:
-            self._prefetch_queue = torch.cuda.Stream(device)
-        return self._prefetch_queue
 
     def _check_step(self, hidden: torch.Tensor, routing: torch.Tensor) -> None:
         """Before any layer runs: ``hidden`` ``[T, H]``, ``routing`` ``[L, T, K]`` int ids in ``[0, E)``."""
@@ -258,15 +209,6 @@ class DecodeStack:
             check = getattr(provider, "check_prefetch", None)
             if check is not None:  # as its prefetch would: count, dtype, device, a pool of its own
                 check(prefetch[index])
-
-
-def _recorded_on_gpu(tensor: torch.Tensor) -> torch.cuda.Event | None:
-    """An event recorded on the current stream of ``tensor``'s GPU (None on the CPU)."""
-    if not tensor.is_cuda:
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tensor.device))
-    return event
 
 
 def _check_router_width(providers: Sequence[ExpertWeightProvider], num_experts: int) -> None:

@@ -26,8 +26,6 @@ from helpers import BENCHMARKS, bench_module, traces_env
         ("bench_batch", ["--serial", "0.3"], "--serial 0.3 is not among --fractions"),
         ("bench_batch", ["--unlanded", "0.3"], "--unlanded 0.3 is not among --fractions"),
         ("bench_batch", ["--landed-whole", "0.3"], "--landed-whole 0.3 is not among --fractions"),
-        ("bench_batch", ["--prefetch-beside", "0.3"], "--prefetch-beside 0.3 is not among --fractions"),
-        ("bench_batch", ["--prefill", "64", "--prefetch-beside", "0.25"], "--prefetch-beside runs in decode mode"),
         ("bench_batch", ["--overlap", "maybe"], "--overlap: invalid choice"),
         ("bench_batch", ["--chain", "yes"], "--chain: invalid choice"),
         ("bench_batch", ["--copy-priority", "low"], "--copy-priority: invalid choice"),
@@ -182,30 +180,6 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path):
             assert float(row["ratio_to_causal"]) == pytest.approx(float(row["ms_per_step"]) / causal, rel=1e-12)
     # 8 tokens may need more experts than a quarter of them: overlapped passes take half groups
     assert int(rows[("device", "8")]["max_passes"]) > int(rows[("device serial", "8")]["max_passes"]) > 1
-
-
-def test_prefetches_behind_and_beside_the_copies_decide_alike(tmp_path):
-    """``--prefetch`` rows (a layer's prefetch queued behind the layer before's copies) and
-    ``--prefetch-beside`` rows (sharing the link with them) order the same admissions
-    differently in time only: the same copies, prefetched bytes and hits, the resident output."""
-    flags = ["--dry-run", "--only", "prefetch", "--batch-sizes", "1", "--fractions", "0.5", "--prefetch", "0.5",
-             "--prefetch-beside", "0.5", "--coded", "--floor", "--layers", "3"]  # fmt: skip
-    command = [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path)
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    path = Path(re.search(r"^CSV: (.+)$", done.stdout, re.MULTILINE).group(1))
-    with path.open(newline="") as handle:
-        rows = {row["variant"]: row for row in csv.DictReader(handle)}
-    pairs = [(name, f"{name} beside") for name in rows if name.startswith("device prefetch") and "beside" not in name]
-    assert len(pairs) == 2 and all(beside in rows for _, beside in pairs)  # 8/8 and 6/8 guesses right
-    for behind, beside in pairs:
-        assert (rows[behind]["prefetch"], rows[beside]["prefetch"]) == ("behind", "beside")
-        for column in ("mb_copied_per_step", "mb_prefetched_per_step", "hit_rate", "right"):
-            assert rows[behind][column] == rows[beside][column], column
-        assert float(rows[behind]["mb_prefetched_per_step"]) > 0
-        assert float(rows[behind]["rel_err"]) == 0.0 == float(rows[beside]["rel_err"])
 
 
 def test_switch_copies_refuse_what_they_cannot_serve():

@@ -190,8 +190,6 @@ def caches(num_experts=EXPERTS, layers=2, device="cpu"):
         ({"seed": True}, TypeError, "seed must be an int"),
         ({"apply": "moe_apply_passes"}, TypeError, "apply must be an expert apply"),
         ({"apply": None}, TypeError, "apply must be an expert apply"),
-        ({"prefetch_behind": "yes"}, TypeError, "prefetch_behind must be True or False"),
-        ({"prefetch_behind": None}, TypeError, "prefetch_behind must be True or False"),
     ],
     ids=repr,
 )

@@ -19,7 +19,7 @@ from conftest import devices
 from helpers import cached_and_full_stacks, random_topk, random_weights, same_bytes, slot_bytes, views
 
 import expertcache.device_prepare as device_prepare
-from expertcache import CachedWeightProvider, FullGPUProvider, SlotPool
+from expertcache import CachedWeightProvider, SlotPool
 from expertcache.reference import moe_forward
 
 E, HIDDEN, INTER = 12, 16, 8
@@ -196,73 +196,3 @@ def test_graphed_step_with_prefetch_replays_equal_to_eager_without():
         assert torch.equal(replayed, stacks[1].step(hidden, step_routing))
     assert all(p.prefetch_stats.calls == 5 for p in cached[1:])  # the warm-up step and 4 replays
     assert cached[0].prefetch_stats.calls == 0  # nothing runs before the first layer
-
-
-@pytest.mark.parametrize("behind", [True, False])
-def test_a_stack_prefetches_behind_or_beside_the_layers_copies(behind):
-    """The next layer's prefetch comes after this layer's passes (behind its copies) or
-    before them (beside, from its router on); either way the step computes alike."""
-    from expertcache.decode_stack import DecodeStack
-
-    gen = torch.Generator().manual_seed(7)
-    weights = [random_weights(E, HIDDEN, INTER, generator=gen) for _ in range(3)]
-    caches = [provider_on("cpu", w) for w in weights]
-    events: list[tuple[str, int]] = []
-    for index, cache in enumerate(caches):
-        passes, prefetch = cache.passes, cache.prefetch
-
-        def logged_passes(ids, *args, index=index, passes=passes, **kwargs):
-            events.append(("passes", index))
-            return passes(ids, *args, **kwargs)
-
-        def logged_prefetch(ids, index=index, prefetch=prefetch):
-            events.append(("prefetch", index))
-            prefetch(ids)
-
-        cache.passes, cache.prefetch = logged_passes, logged_prefetch
-    stack = DecodeStack(caches, HIDDEN, E, dtype=torch.float32, device="cpu", prefetch_behind=behind)
-    full = DecodeStack([FullGPUProvider(w) for w in weights], HIDDEN, E, dtype=torch.float32, device="cpu")
-    routing = torch.stack([random_topk(2, 2, E, generator=gen) for _ in range(3)])
-    hidden = torch.randn(2, HIDDEN, generator=gen)
-    torch.testing.assert_close(stack.step(hidden, routing, routing), full.step(hidden, routing))
-    if behind:
-        expected = [("passes", 0), ("prefetch", 1), ("passes", 1), ("prefetch", 2), ("passes", 2)]
-    else:
-        expected = [("prefetch", 1), ("passes", 0), ("prefetch", 2), ("passes", 1), ("passes", 2)]
-    assert events == expected
-    assert [c.prefetch_stats.calls for c in caches] == [0, 1, 1]
-    assert all(c.stats.misses == 0 for c in caches[1:])  # every guess was right
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("behind", [True, False])
-def test_a_prefetch_queued_behind_waits_for_the_layers_copy_stream(behind):
-    """On the GPU the queued prefetch's copies start only once the copies enqueued on the
-    previous layer's copy stream are done (held here by a sleep there); beside them, they
-    do not wait."""
-    import time
-
-    from expertcache.decode_stack import DecodeStack
-
-    gen = torch.Generator().manual_seed(8)
-    cached, _, routing = cached_and_full_stacks(gen, tokens=2, cache_size=8)
-    stack = DecodeStack(cached, 64, 16, dtype=torch.bfloat16, device="cuda", prefetch_behind=behind)
-    step_routing, hidden = routing(), torch.randn(2, 64, generator=gen).to("cuda", torch.bfloat16)
-    stack.step(hidden, step_routing, step_routing)  # warm: kernels compiled
-    torch.cuda.synchronize()
-    landed = torch.cuda.Event()
-    prefetch = cached[1].prefetch
-
-    def marked(ids):
-        prefetch(ids)
-        landed.record(cached[1].copy_stream)  # right after the prefetch's copies
-
-    cached[1].prefetch = marked
-    with torch.cuda.stream(cached[0].copy_stream):
-        torch.cuda._sleep(2_000_000_000)  # about a second of the copy stream, before layer 0's copies
-    step_routing = routing()
-    stack.step(hidden, step_routing, step_routing)
-    time.sleep(0.3)
-    assert landed.query() is not behind  # behind: still held by layer 0's copy stream
-    torch.cuda.synchronize()
-    assert landed.query()
