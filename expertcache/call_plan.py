@@ -16,7 +16,9 @@ Semantics of one call (the contract every implementation of the cache follows):
 * planning tells the policy only that the call begins (``begin_forward`` when it starts a
   forward pass, ``begin_call``); once the plan's work is done, `tell_policy` reports it in
   order (per key ``on_hit``, or ``on_evict(victim)`` if it took one then ``on_miss``;
-  ``end_call``), and if the work fails, ``policy.abort_call()`` forgets the call.
+  ``end_call``), and if the work fails, ``policy.abort_call()`` forgets the call; if a hook
+  raises, `tell_policy` puts the policy back as the ``policy.snapshot()`` taken before
+  ``plan_call`` left it, and the caller takes its work back.
 """
 
 from __future__ import annotations
@@ -116,15 +118,25 @@ def _plan(keys, slots, slot_of, free_slots, policy, excluded: Protected) -> Call
     return CallPlan(tuple(keys), tuple(hits), tuple(loads))
 
 
-def tell_policy(plan: CallPlan, policy: EvictionPolicy) -> None:
-    """Report a planned call whose work is done to the policy (the module docstring's order)."""
+def tell_policy(plan: CallPlan, policy: EvictionPolicy, before: object) -> None:
+    """Report a planned call whose work is done to the policy (the module docstring's order).
+
+    Args:
+        before: ``policy.snapshot()`` taken before `plan_call`: if a hook raises, the
+            policy is restored to it and the error propagates (the caller then takes its
+            work back).
+    """
     loads = {load.key: load for load in plan.loads}
-    for key in plan.keys:
-        load = loads.get(key)
-        if load is None:
-            policy.on_hit(key)
-            continue
-        if load.evicted is not None:
-            policy.on_evict(load.evicted)
-        policy.on_miss(key)
-    policy.end_call()
+    try:
+        for key in plan.keys:
+            load = loads.get(key)
+            if load is None:
+                policy.on_hit(key)
+                continue
+            if load.evicted is not None:
+                policy.on_evict(load.evicted)
+            policy.on_miss(key)
+        policy.end_call()
+    except BaseException:
+        policy.restore(before)
+        raise

@@ -8,8 +8,8 @@ One call, each step after the first able to fail without leaving a trace::
             only that the call begins)
     move    the plan's copies (copy engine, or upload + copy kernel)        -+ rolled back
     commit  upload the plan, one kernel: tables updated, call counted,       | on any error
-            ids remapped to slots                                            -+
-    tell    the policy hears of the call (`call_plan.tell_policy`)
+            ids remapped to slots                                            |
+    tell    the policy hears of the call (`call_plan.tell_policy`)          -+
 
 A call of more keys than the pool's share (its slots, for one layer) runs as expert-group
 passes (`passes`, `expertcache.passes`), each of them such a call of its group's keys. Only
@@ -21,7 +21,8 @@ the pool between two passes (the generator yields), the next pass reads again.
 ``SIGINT`` is held from plan to tell (`call_guards.deferred_interrupts`); an exception
 there restores the slots the plan overwrote (`mover.restore_slots`), the tables and
 counters (from the bytes read in step one), and makes the policy forget the call
-(``abort_call``).
+(``abort_call``), or, when one of its hooks raised in tell, puts it back as its
+``snapshot()`` before plan left it.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def _serve(
     policy = pool.policy
     assert policy is not None  # a host-mode pool always has one
     with deferred_interrupts():
+        before = policy.snapshot()
         plan = plan_call(
             keys, table[keys].tolist(), slot_of=lambda key: _slot_of(table, key),
             free_slots=lambda: _free_slots(table, pool.num_slots), policy=policy, starts_forward=starts_forward,
@@ -141,14 +143,23 @@ def _serve(
             _move(pool, layer, plan)
             _commit(pool, layer, plan, ids, out, passes)
         except BaseException:  # even a launch that raised after it ran leaves nothing behind
-            restore_slots(pool.tensors, plan.loads, pool.store_of)
-            pool.tables.committed.copy_(snapshot)
+            _take_back(pool, plan, snapshot)
             policy.abort_call()
+            raise
+        try:
+            tell_policy(plan, policy, before)
+        except BaseException:  # a hook raised: the policy is as before, so are the slots and tables now
+            _take_back(pool, plan, snapshot)
             raise
         if first_pass:
             pool.forward.record(layer.name)
-        tell_policy(plan, policy)
     return out, plan
+
+
+def _take_back(pool: SlotPool, plan: CallPlan, snapshot: torch.Tensor) -> None:
+    """Undo a call's copies and commit: the slots its loads overwrote, then the state bytes."""
+    restore_slots(pool.tensors, plan.loads, pool.store_of)
+    pool.tables.committed.copy_(snapshot)
 
 
 def _apply_plan(table: np.ndarray, plan: CallPlan) -> None:

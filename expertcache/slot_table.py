@@ -89,6 +89,7 @@ class SlotTable:
         if len(unique) > self.share:
             raise CacheCapacityError(len(unique), self.share, layers=self.num_layers)
         floor = None if layer is None else LayerFloor(layer, self.share, self._held, self._layer_of)
+        before = self.policy.snapshot()
         plan = plan_call(
             unique,
             [self._slot_of.get(key, -1) for key in unique],
@@ -97,6 +98,7 @@ class SlotTable:
             policy=self.policy,
             floor=floor,
         )
+        tell_policy(plan, self.policy, before)  # before the table changes: a hook that raises changes nothing
         for load in plan.loads:
             if load.evicted is not None:
                 del self._slot_of[load.evicted]
@@ -105,7 +107,6 @@ class SlotTable:
             self._slot_of[load.key] = load.slot
             self._key_in[load.slot] = load.key
             self._filled = max(self._filled, load.slot + 1)
-        tell_policy(plan, self.policy)
         return plan
 
     def admit_passes(self, keys: Iterable[Key], *, overlap: bool = False) -> list[CallPlan]:

@@ -13,10 +13,13 @@ order for every call (`expertcache.call_plan`):
    or it is rolled back (a copy failed, an interrupt): ``abort_call()``, which undoes what
    ``begin_call`` (and a ``begin_forward`` just before it) changed.
 
-The hooks of step 3 run once the call's copies and tables are committed, so they must not
-raise: the cache cannot take back a served call, and a policy that raised there has heard
-only part of it (every built-in policy's hooks only update its own bookkeeping). Refuse bad
-settings when the policy is built, as the built-in ones do.
+The hooks of step 3 run once the call's copies and tables are committed. If one raises,
+the cache takes the call back (slots, tables, counters) and puts the policy back as it was
+before step 1, from the `snapshot` it took then, and the error propagates: nothing changed.
+A policy of your own pays a `copy.deepcopy` of its attributes a call for that (override
+`snapshot` and `restore` for a cheaper way, or for state a deep copy does not fit); the
+built-in policies' hooks only update their own bookkeeping and never raise, so they take no
+snapshot. Refuse bad settings when the policy is built, as the built-in ones do.
 
 Two optional signals carry what some policies need beyond one call:
 
@@ -36,6 +39,7 @@ pool shared by several layers.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Container, Hashable, Sequence
 from typing import ClassVar
@@ -71,13 +75,45 @@ class EvictionPolicy(ABC):
 
         Raises:
             ValueError: the instance already belongs to a cache.
+            TypeError: `snapshot` fails on it (state that cannot be deep-copied): a cache
+                could not take back a call whose hooks raise.
         """
         if getattr(self, "_owner", None) is not None:
             raise ValueError(
                 f"this {type(self).__name__} instance already drives another cache; give each cache its "
                 f"own instance, or pass the policy's name ({self.name!r})"
             )
+        try:
+            self.snapshot()
+        except Exception as err:
+            raise TypeError(
+                f"{type(self).__name__}.snapshot() failed ({type(err).__name__}: {err}); a cache snapshots a "
+                "policy of your own before each call to take the call back if a hook raises: override "
+                "snapshot() and restore() for state that copy.deepcopy cannot copy"
+            ) from err
         self._owner = id(owner)
+
+    def snapshot(self) -> object:
+        """The policy's state now, for `restore` (taken before each call, so that a call
+        whose hooks raise can be taken back).
+
+        Default: None for the built-in policies (their hooks never raise: no copy a call),
+        a ``copy.deepcopy`` of the instance's attributes for any other. Override both this
+        and `restore` where that is costly or does not fit.
+        """
+        if _built_in(type(self)):
+            return None
+        return copy.deepcopy(self.__dict__)
+
+    def restore(self, state: object) -> None:
+        """Put back the state `snapshot` returned: the hooks of the call that followed
+        raised. A built-in policy (no snapshot) forgets the call (``abort_call``)."""
+        if state is None:
+            self.abort_call()
+            return
+        assert isinstance(state, dict)
+        self.__dict__.clear()
+        self.__dict__.update(state)
 
     def begin_call(self, keys: Sequence[Key]) -> None:  # noqa: B027 - optional hook
         """A call starts; ``keys`` are its distinct keys in first-appearance order."""
@@ -119,3 +155,8 @@ class EvictionPolicy(ABC):
         Must not change the policy's state: the table reports the choice back through
         ``on_evict``.
         """
+
+
+def _built_in(cls: type) -> bool:
+    """Whether ``cls`` is one of this package's policies (not a subclass written elsewhere)."""
+    return cls.__module__.startswith("expertcache.policies.")

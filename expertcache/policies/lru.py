@@ -31,6 +31,12 @@ class LRUPolicy(EvictionPolicy):
     def begin_call(self, keys: Sequence[Key]) -> None:
         self._scan = None
 
+    def end_call(self) -> None:
+        self._scan = None  # between calls no search is open (a snapshot copies no iterator)
+
+    def abort_call(self) -> None:
+        self._scan = None
+
     def on_hit(self, key: Key) -> None:
         self._scan = None
         self._order.move_to_end(key)
