@@ -131,9 +131,15 @@ def _check_graphs(args, config, device, parser: argparse.ArgumentParser) -> None
 
 def _check_serving(skeleton, blocks, config, implementation, parser: argparse.ArgumentParser) -> None:
     """What would be refused once the weights are in, checked on the meta-device copy."""
+    from expertcache.integrations.transformers.dispatch import IMPLEMENTATION_NAME
     from expertcache.integrations.transformers.serving import check_pin_budget
     from expertcache.store import check_compression
 
+    if implementation == IMPLEMENTATION_NAME:  # transformers accepts it once the cache has registered it
+        parser.error(
+            f"--experts-implementation {implementation}: that is the cache itself, which runs another "
+            f"implementation on the slots; name that one (eager, batched_mm, grouped_mm, expertcache_quant, ...)"
+        )
     if implementation is not None:
         try:
             skeleton.set_experts_implementation(implementation)
@@ -292,8 +298,9 @@ def _graphed_run(model, input_ids, max_new_tokens):
 
     runner = GraphedGenerator(model, max_length=input_ids.shape[1] + max_new_tokens, graphs=True)
     generation = model.generation_config
-    pad = generation.pad_token_id or 0  # as greedy_generate
-    run = timed_generate(runner, input_ids, max_new_tokens, eos_token_id=generation.eos_token_id, pad_token_id=pad)
+    eos = generation.eos_token_id
+    pad = None if eos is None else generation.pad_token_id or 0  # as greedy_generate; without EOS none is used
+    run = timed_generate(runner, input_ids, max_new_tokens, eos_token_id=eos, pad_token_id=pad)
     buckets = ", ".join(map(str, runner.captured_buckets)) or "none (fewer steps than the warm-up)"
     print(f"decode: CUDA graphs captured for batch bucket {buckets}; {runner.replays} replays")
     return run  # the runner (and its graphs, which hold the slots' addresses) goes before disable()

@@ -53,8 +53,9 @@ def check_request(
 
     Raises:
         TypeError: an argument of the wrong type (naming it).
-        ValueError: naming the first argument out of range, or a sampling setting
-            (``temperature``, ``top_p``, ``generator``) given without ``do_sample=True``.
+        ValueError: naming the first argument out of range, a sampling setting
+            (``temperature``, ``top_p``, ``generator``) given without ``do_sample=True``, or
+            ``pad_token_id`` without ``eos_token_id``.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError("input_ids must be a [batch, prompt] int64 tensor")
@@ -77,6 +78,11 @@ def check_request(
     check_sampling(do_sample, temperature, top_p, generator, runner.device)
     eos = None if eos_token_id is None else token_ids("eos_token_id", eos_token_id, vocab)
     pad = None if pad_token_id is None else token_ids("pad_token_id", pad_token_id, vocab, several=False)[0]
+    if pad is not None and eos is None:  # only finished sequences emit it
+        raise ValueError(
+            f"pad_token_id={pad} given without eos_token_id: no sequence can finish, so it would be ignored; "
+            f"pass eos_token_id too, or drop pad_token_id"
+        )
     return Request(batch, max_new_tokens, mask, do_sample, eos, pad)
 
 

@@ -52,6 +52,9 @@ from expertcache.validation import check_int
 
 __all__ = ["GraphedGenerator", "bucket_sizes", "timed_generate"]
 
+#: Eager decode steps before a bucket's step is captured, unless the caller says otherwise.
+DEFAULT_WARMUP_STEPS = 2
+
 
 class GraphedGenerator:
     """Greedy or sampled generation with the decode step captured in CUDA graphs.
@@ -68,7 +71,8 @@ class GraphedGenerator:
     Raises:
         ValueError: graphs requested off CUDA, or with a host-mode expert cache or a routing
             recorder; with graphs, a sliding window shorter than ``max_length``; a size < 1;
-            ``max_length`` above the model's ``max_position_embeddings``.
+            ``max_length`` above the model's ``max_position_embeddings``; ``warmup_steps``
+            other than the default with ``graphs=False`` (nothing is captured: it would be ignored).
         TypeError: a size that is not an integer (numpy's are; a bool or a float is not);
             ``graphs`` not a bool or ``"auto"``; ``model`` not a transformers model (an
             `ExpertCacheHandle`, say).
@@ -81,7 +85,7 @@ class GraphedGenerator:
         max_length: int,
         max_batch_size: int = 1,
         graphs: bool | str = "auto",
-        warmup_steps: int = 2,
+        warmup_steps: int = DEFAULT_WARMUP_STEPS,
     ) -> None:
         max_length = check_int("max_length", max_length, minimum=1)
         max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1)
@@ -91,6 +95,11 @@ class GraphedGenerator:
         self.max_length = max_length
         self.buckets = bucket_sizes(max_batch_size)
         self.graphs = resolve_graphs(model, graphs, self.device)
+        if graphs is False and warmup_steps != DEFAULT_WARMUP_STEPS:
+            raise ValueError(
+                f"warmup_steps={warmup_steps} given with graphs=False, which captures nothing and would ignore it: "
+                f"drop warmup_steps, or pass graphs=True or 'auto'"
+            )
         if self.graphs:
             static_cache(model, max_length)  # refuses a sliding window now (tensors come lazily)
         self.warmup_steps = warmup_steps
@@ -132,7 +141,8 @@ class GraphedGenerator:
             eos_token_id: a token id or a non-empty list of them, in the vocabulary: a sequence
                 stops after one of these; finished ones get ``pad_token_id`` (default: the
                 first EOS id) and generation ends when all have stopped.
-            pad_token_id: a token id in the vocabulary (used only with ``eos_token_id``).
+            pad_token_id: a token id in the vocabulary, only with ``eos_token_id`` (alone it
+                would be ignored: refused).
 
         Returns:
             ``[B, P + N]`` int64: the prompts and ``N <= max_new_tokens`` new tokens.

@@ -100,9 +100,14 @@ def load_mxfp4_experts(model: nn.Module, checkpoint: str | os.PathLike | Mapping
         The names of the replaced modules, in model order.
 
     Raises:
-        ValueError: the checkpoint holds MXFP4 tensors for no module of ``model``, or for a
-            module that is not GPT-OSS experts of the same number (nothing is replaced then).
+        TypeError: ``model`` is not a module; ``checkpoint`` neither a path nor a mapping, or
+            one of its entries not a tensor.
+        ValueError: the checkpoint holds MXFP4 tensors for no module of ``model``, misses one
+            of a module's tensors, or holds them for a module that is not GPT-OSS experts of
+            the same number or that an expert cache serves (nothing is replaced then).
     """
+    _check_model(model)
+    _check_not_served(model, [name for name, _ in model.named_modules()], "loading MXFP4 experts")  # before reading
     tensors = _mxfp4_tensors(model, checkpoint)
     if not tensors:
         raise ValueError("the checkpoint holds no '<experts>.gate_up_proj_blocks' for any module of this model")
@@ -123,6 +128,9 @@ def _mxfp4_module(name: str, old: nn.Module, parts: dict[str, torch.Tensor]) -> 
 
 
 def _mxfp4_tensors(model: nn.Module, checkpoint) -> dict[str, dict[str, torch.Tensor]]:
+    if not isinstance(checkpoint, (Mapping, str, os.PathLike)):
+        raise TypeError(f"checkpoint must be a directory (str or PathLike) or a mapping of names to tensors, "
+                        f"got {type(checkpoint).__name__}")  # fmt: skip
     names = [name for name, _ in model.named_modules()]
     if isinstance(checkpoint, Mapping):
         read = checkpoint.__getitem__
@@ -131,9 +139,33 @@ def _mxfp4_tensors(model: nn.Module, checkpoint) -> dict[str, dict[str, torch.Te
         read, keys = _safetensors_reader(checkpoint)
     found = {}
     for name in names:
-        if f"{name}.gate_up_proj_blocks" in keys:
-            found[name] = {part: read(f"{name}.{part}") for part in MXFP4_TENSORS}
+        if f"{name}.gate_up_proj_blocks" not in keys:
+            continue
+        missing = [f"{name}.{part}" for part in MXFP4_TENSORS if f"{name}.{part}" not in keys]
+        if missing:
+            raise ValueError(f"the checkpoint holds {name}.gate_up_proj_blocks but not {', '.join(missing)}: "
+                             f"nothing was replaced")  # fmt: skip
+        found[name] = {part: read(f"{name}.{part}") for part in MXFP4_TENSORS}
+        for part, tensor in found[name].items():
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"checkpoint[{f'{name}.{part}'!r}] must be a torch.Tensor, got "
+                                f"{type(tensor).__name__}: nothing was replaced")  # fmt: skip
     return found
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+
+
+def _check_not_served(model: nn.Module, names, what: str) -> None:
+    """Refuse to replace experts an expert cache serves (the cache would keep the old modules)."""
+    from expertcache.integrations.transformers.dispatch import is_bound
+
+    served = [name for name in names if is_bound(model.get_submodule(name))]
+    if served:
+        raise ValueError(f"{served[0]} is served by an expert cache: disable() it before {what} "
+                         f"(nothing was replaced)")  # fmt: skip
 
 
 def _safetensors_reader(directory: str | os.PathLike):
@@ -179,11 +211,11 @@ def quantize_experts(model: nn.Module, fmt: str, *, block: tuple[int, int] | Non
         The names of the replaced modules, in model order.
 
     Raises:
+        TypeError: ``model`` is not a module.
         ValueError: an unknown format, a bad block, experts the format does not apply to,
             or experts an expert cache serves (nothing is replaced then).
     """
-    from expertcache.integrations.transformers.dispatch import is_bound
-
+    _check_model(model)
     experts = {name: module for name, module in model.named_modules() if name.endswith("mlp.experts")}
     if fmt not in ("fp8", "mxfp4"):
         raise ValueError(f"unknown expert format {fmt!r}: expected 'fp8' or 'mxfp4'")
@@ -193,10 +225,7 @@ def quantize_experts(model: nn.Module, fmt: str, *, block: tuple[int, int] | Non
         isinstance(block, tuple) and len(block) == 2 and all(type(size) is int and size >= 1 for size in block)
     ):
         raise ValueError(f"block must be None (per tensor) or two positive ints (rows, columns), got {block!r}")
-    served = [name for name, module in experts.items() if is_bound(module)]
-    if served:
-        raise ValueError(f"{served[0]} is served by an expert cache: disable() it before quantizing "
-                         f"(nothing was replaced)")  # fmt: skip
+    _check_not_served(model, experts, "quantizing")
     if not experts or not all(_quantizable(module, fmt) for module in experts.values()):
         wanted = "GPT-OSS experts (with biases)" if fmt == "mxfp4" else "gated experts without biases"
         raise ValueError(f"{fmt} quantization needs float {wanted}; this model's are not: nothing was replaced")

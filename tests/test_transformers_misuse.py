@@ -1,0 +1,125 @@
+"""Misuse of the transformers integration: each case gets a clear error and changes nothing.
+
+1. `load_mxfp4_experts` on a model an expert cache serves is refused (it used to swap the
+   served modules out, so the next forward failed and ``disable()`` restored orphans).
+2. `load_mxfp4_experts` with a checkpoint missing a module's tensor, or holding something
+   that is not a tensor, names the tensor (it was a bare KeyError / AttributeError).
+3. `load_mxfp4_experts` and `quantize_experts` refuse a model that is not a module.
+4. `GraphedGenerator.generate` refuses ``pad_token_id`` without ``eos_token_id`` (ignored).
+5. `GraphedGenerator(graphs=False, warmup_steps=N)` refuses a warm-up it would ignore.
+6. ``expertcache generate --experts-implementation expertcache`` (the cache itself) is one
+   line and exit status 2 (it was a RuntimeError traceback after the weights loaded).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers_helpers import TINY, logits_of, prompt, tiny_model
+
+from expertcache.cli import main
+from expertcache.integrations.transformers import GraphedGenerator, enable_expert_cache
+from expertcache.integrations.transformers.dispatch import register
+from expertcache.integrations.transformers.packed_models import load_mxfp4_experts, quantize_experts
+
+PARTS = ("gate_up_proj", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj", "down_proj_scales", "down_proj_bias")
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint() -> dict[str, torch.Tensor]:
+    """The tiny GPT-OSS model's experts as an MXFP4 checkpoint (name -> tensor)."""
+    packed = tiny_model("gpt_oss")
+    names = quantize_experts(packed, "mxfp4")
+    checkpoint = {}
+    for name in names:
+        module = packed.get_submodule(name)
+        for part in PARTS:
+            key = part + "_blocks" if part in ("gate_up_proj", "down_proj") else part
+            checkpoint[f"{name}.{key}"] = getattr(module, part).detach()
+    return checkpoint
+
+
+def _modules(model) -> dict:
+    return dict(model.named_modules())
+
+
+# -- 1-3. load_mxfp4_experts / quantize_experts ----------------------------------------------
+
+
+def test_load_mxfp4_into_a_served_model_is_refused(mxfp4_checkpoint):
+    model = tiny_model("gpt_oss")
+    tokens = prompt(6)
+    handle = enable_expert_cache(model, cache_size=4)
+    served, modules = logits_of(model, tokens), _modules(model)
+    with pytest.raises(ValueError, match="served by an expert cache: disable"):
+        load_mxfp4_experts(model, mxfp4_checkpoint)
+    assert _modules(model) == modules  # nothing replaced
+    assert torch.equal(logits_of(model, tokens), served)  # still served
+    handle.disable()
+    assert load_mxfp4_experts(model, mxfp4_checkpoint)  # once disabled, it loads
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ("drop", ValueError, "holds model.layers.1.mlp.experts.gate_up_proj_blocks but not .*down_proj_scales"),
+        ("list", TypeError, r"checkpoint\['model.layers.1.mlp.experts.down_proj_scales'\] must be a torch.Tensor"),
+    ],
+)
+def test_load_mxfp4_names_a_missing_or_bad_tensor(mxfp4_checkpoint, change, error, match):
+    model = tiny_model("gpt_oss")
+    modules = _modules(model)
+    checkpoint = dict(mxfp4_checkpoint)
+    key = "model.layers.1.mlp.experts.down_proj_scales"
+    if change == "drop":
+        del checkpoint[key]
+    else:
+        checkpoint[key] = checkpoint[key].tolist()
+    with pytest.raises(error, match=match):
+        load_mxfp4_experts(model, checkpoint)
+    assert _modules(model) == modules
+
+
+@pytest.mark.parametrize("model", [None, "gpt_oss"])
+def test_packing_functions_refuse_a_model_that_is_not_a_module(mxfp4_checkpoint, model):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        load_mxfp4_experts(model, mxfp4_checkpoint)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        quantize_experts(model, "fp8")
+
+
+# -- 4-5. GraphedGenerator settings it would ignore ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return GraphedGenerator(tiny_model("qwen3_moe"), max_length=16, graphs=False)
+
+
+def test_pad_token_without_eos_is_refused(runner):
+    prompts = prompt(4)
+    before = runner.generate(prompts, max_new_tokens=3)
+    with pytest.raises(ValueError, match="pad_token_id=0 given without eos_token_id"):
+        runner.generate(prompts, max_new_tokens=3, pad_token_id=0)
+    assert torch.equal(runner.generate(prompts, max_new_tokens=3), before)
+
+
+def test_a_warmup_without_graphs_is_refused(runner):
+    with pytest.raises(ValueError, match="warmup_steps=5 given with graphs=False"):
+        GraphedGenerator(runner.model, max_length=16, graphs=False, warmup_steps=5)
+    assert GraphedGenerator(runner.model, max_length=16, graphs=False, warmup_steps=2).warmup_steps == 2
+
+
+# -- 6. the command line ---------------------------------------------------------------------
+
+
+def test_generate_refuses_the_cache_as_its_own_experts_implementation(tmp_path, capsys):
+    tiny_model("qwen2_moe").save_pretrained(tmp_path)
+    register()  # as after any enable in this process: transformers' setter then accepts the name
+    capsys.readouterr()  # save_pretrained's progress bar
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(tmp_path), "--moe-expert-cache-size", str(TINY.top_k + 2),
+              "--device", "cpu", "--max-new-tokens", "2", "--experts-implementation", "expertcache"])  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--experts-implementation expertcache" in err and "Traceback" not in err
