@@ -9,6 +9,9 @@
 5. `GraphedGenerator(graphs=False, warmup_steps=N)` refuses a warm-up it would ignore.
 6. ``expertcache generate --experts-implementation expertcache`` (the cache itself) is one
    line and exit status 2 (it was a RuntimeError traceback after the weights loaded).
+7. CUDA graphs over transformers' ``eager`` experts loop (a ``nonzero`` every layer, served
+   or not) are refused by ``graphs=True`` and ``--graphs``, and ``"auto"`` runs eagerly (it
+   used to pick graphs and fail at capture).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from transformers_helpers import TINY, logits_of, prompt, tiny_model
 
 from expertcache.cli import main
 from expertcache.integrations.transformers import GraphedGenerator, enable_expert_cache
+from expertcache.integrations.transformers.decode_setup import resolve_graphs
 from expertcache.integrations.transformers.dispatch import register
 from expertcache.integrations.transformers.packed_models import load_mxfp4_experts, quantize_experts
 
@@ -123,3 +127,36 @@ def test_generate_refuses_the_cache_as_its_own_experts_implementation(tmp_path, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--experts-implementation expertcache" in err and "Traceback" not in err
+
+
+# -- 7. graphs over the eager experts loop ---------------------------------------------------
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["plain", "served"])
+def test_graphs_over_the_eager_experts_loop_are_refused(served):
+    import os
+
+    if served and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a device-mode cache on the CPU needs TRITON_INTERPRET=1")
+    model, cuda = tiny_model("qwen3_moe"), torch.device("cuda")  # the decision only, no CUDA needed
+    model.set_experts_implementation("eager")
+    handle = enable_expert_cache(model, cache_size=4, mode="device") if served else None
+    with pytest.raises(ValueError, match="'eager' experts implementation finds the experts a layer hit"):
+        resolve_graphs(model, True, cuda)
+    assert resolve_graphs(model, "auto", cuda) is False  # auto: the eager path
+    model.set_experts_implementation("batched_mm")  # served: the cache now calls batched_mm on its slots
+    assert resolve_graphs(model, True, cuda) and resolve_graphs(model, "auto", cuda)
+    if handle is not None:
+        handle.disable()
+
+
+def test_generate_graphs_refuse_the_eager_experts_loop(tmp_path, capsys):
+    tiny_model("qwen2_moe").save_pretrained(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(tmp_path), "--moe-expert-cache-size", str(TINY.top_k + 2), "--graphs",
+              "--moe-expert-cache-mode", "device", "--max-new-tokens", "2",
+              "--experts-implementation", "eager"])  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--experts-implementation eager" in err and "Traceback" not in err

@@ -117,6 +117,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _check_graphs(args, config, device, parser: argparse.ArgumentParser) -> None:
     """What ``--graphs`` needs, checked before the weights are read."""
+    if args.experts_implementation == "eager":
+        parser.error(
+            "--graphs cannot capture --experts-implementation eager: it finds the experts a layer hit with "
+            "nonzero() on the host every layer (batched_mm and grouped_mm do not)"
+        )
     if device.type != "cuda":
         where = "--device cpu" if args.device is not None else "this machine has no CUDA GPU"
         parser.error(f"--graphs captures the decode step in CUDA graphs and needs a CUDA GPU ({where})")

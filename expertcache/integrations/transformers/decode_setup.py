@@ -3,8 +3,9 @@
 * `check_model`: a transformers model, and a ``max_length`` its positions reach;
 * `static_cache`: transformers' ``StaticCache`` for the step, with sliding-window layers that
   never slide turned static (their host-side length would freeze in a graph);
-* `resolve_graphs` / `host_syncs`: whether the step can be captured (a host-mode expert cache
-  or a routing recorder reads ids on the host every layer);
+* `resolve_graphs` / `host_syncs`: whether the step can be captured (a host-mode expert cache,
+  a routing recorder or transformers' ``eager`` experts loop reads the device on the host
+  every layer);
 * `decode_experts_implementation`: ``batched_mm`` where the model uses ``grouped_mm``, as
   ``model.generate`` decodes;
 * `choose_tokens`: greedy or temperature / top-p sampling on the step's logits.
@@ -126,7 +127,26 @@ def host_syncs(model: nn.Module) -> list[str]:
         )
     if any(binding.recorder is not None for binding in served):
         reasons.append("a RoutingRecorder copies every layer's routing ids to the host (enable the cache without one)")
+    if any(_experts_implementation(module) == "eager" for module in model.modules()):
+        reasons.append(
+            "the 'eager' experts implementation finds the experts a layer hit with nonzero() on the host "
+            "(model.set_experts_implementation('batched_mm') or 'grouped_mm' does not)"
+        )
     return reasons
+
+
+def _experts_implementation(module: nn.Module) -> str | None:
+    """The experts implementation ``module`` runs: a served block's (the one the cache calls on
+    its slots), an unserved ``@use_experts_implementation`` block's config's; None for any
+    other module, or when the config names none (transformers' default)."""
+    binding = dispatch.binding_of(module)
+    if binding is not None:
+        selection = binding.selection
+        return binding.implementation if selection is None else dispatch.chosen_implementation(selection)
+    if getattr(type(module).forward, "__wrapped__", None) is None or not hasattr(module, "is_transposed"):
+        return None  # not an experts block of transformers' registry
+    named = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    return None if named is None else str(named)
 
 
 def static_cache(model: Any, max_length: int, *, keep_sliding: bool = False):
