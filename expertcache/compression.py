@@ -72,6 +72,25 @@ class Analysis:
     format: RecordFormat
     codebooks: torch.Tensor
 
+    def __post_init__(self) -> None:
+        fmt, books = self.format, self.codebooks
+        if not isinstance(fmt, RecordFormat):
+            raise TypeError(f"format must be a RecordFormat, got {type(fmt).__name__}")
+        shape = f"[E, {fmt.num_blocks}, {fmt.code.book_size}]"
+        if not isinstance(books, torch.Tensor) or books.dtype != torch.int64 or books.dim() != 3:
+            raise ValueError(f"codebooks must be int64 {shape}, got {_describe(books)}")
+        if tuple(books.shape[1:]) != (fmt.num_blocks, fmt.code.book_size):
+            raise ValueError(f"codebooks must be int64 {shape}, got {_describe(books)}")
+        top = (1 << fmt.code.exponent_bits) - 1
+        if books.numel() and not bool(((books >= 0) & (books <= top)).all()):
+            raise ValueError(f"codebooks must hold exponents from 0 to {top} ({fmt.code.dtype})")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)}"
+    return type(value).__name__
+
 
 def _bits(tensor: torch.Tensor, code: ExponentCode) -> torch.Tensor:
     """``[E, num_blocks, block]`` int32 bit patterns, zero past the last value."""
@@ -101,6 +120,11 @@ def _book_index(exponent: torch.Tensor, codebooks: torch.Tensor, code: ExponentC
     return table.gather(1, exponent.reshape(rows, -1).long()).view(exponent.shape)
 
 
+def _check_progress(progress: object) -> None:
+    if progress is not None and not isinstance(progress, str):
+        raise TypeError(f"progress must be a str or None, got {type(progress).__name__} {progress!r:.40}")
+
+
 def _steps(num_experts: int, values: int, progress: str | None):
     per_step = max(1, _VALUES_PER_STEP // max(values, 1))
     starts = range(0, num_experts, per_step)
@@ -126,8 +150,8 @@ def _check_experts(tensor: object, code: object) -> None:
 
 
 def _target(tensor: torch.Tensor, device: torch.device | str | None) -> torch.device:
-    """Where the passes run: ``device`` (checked, `resolve_device`), else ``tensor``'s device."""
-    return tensor.device if device is None else resolve_device(device)
+    """Where the passes run: ``device``, else ``tensor``'s device (either checked, `resolve_device`)."""
+    return resolve_device(tensor.device if device is None else device)
 
 
 def _on(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -152,6 +176,7 @@ def analyse(
         The `Analysis`; its ``codebooks`` live on ``device``.
     """
     _check_experts(tensor, code)
+    _check_progress(progress)
     target = _target(tensor, device)
     num_experts, values = int(tensor.shape[0]), tensor[0].numel() if tensor.shape[0] else 0
     if values == 0:
@@ -197,6 +222,25 @@ def _in_value_order(values: torch.Tensor, chosen: torch.Tensor, size: int) -> to
     return out
 
 
+def _check_fits(index: torch.Tensor, valid: torch.Tensor, fmt: RecordFormat) -> None:
+    """Raise unless every block's escapes fit what ``fmt`` reserves (``index``: `_book_index`)."""
+    code = fmt.code
+    most = int(((index >= code.book_size) & valid).sum(2).max())
+    spill = int(((index >= code.escape) & valid).sum(2).max()) if code.second_bits else 0
+    if most > fmt.capacity or spill > fmt.spill:
+        raise ValueError(
+            f"tensor does not fit the analysis: a block escapes {spill} values to second codes and {most} to "
+            f"exceptions, the format reserves {fmt.spill} and {fmt.capacity}: write the tensor analyse saw"
+        )
+
+
+def _check_step(tensor: torch.Tensor, codebooks: torch.Tensor, fmt: RecordFormat) -> None:
+    """`_check_fits` of one step's experts, without encoding them."""
+    exponent, _ = _split(_bits(tensor, fmt.code), fmt.code)
+    valid = _valid(fmt.values, fmt.code, exponent.shape[1], exponent.device)
+    _check_fits(_book_index(exponent, codebooks, fmt.code), valid, fmt)
+
+
 def _blocks(tensor: torch.Tensor, codebooks: torch.Tensor, fmt: RecordFormat) -> list[torch.Tensor]:
     """The five parts of every block, each ``[E, num_blocks, part bytes]`` uint8, whole-block sized."""
     code = fmt.code
@@ -204,6 +248,7 @@ def _blocks(tensor: torch.Tensor, codebooks: torch.Tensor, fmt: RecordFormat) ->
     experts, blocks = exponent.shape[:2]
     valid = _valid(fmt.values, code, blocks, exponent.device)
     index = _book_index(exponent, codebooks, code)
+    _check_fits(index, valid, fmt)
     fields = torch.where(valid, index.clamp(max=code.escape) | ((literal >> 8) << code.code_bits), 0)
     header = torch.zeros(experts, blocks, HEADER_BYTES, dtype=torch.uint8, device=exponent.device)
     header[..., : code.book_size] = codebooks.to(torch.uint8)
@@ -239,8 +284,11 @@ def write_records(
         progress: a label to show a tqdm progress bar under, or None.
         device: where to compute (default: ``tensor``'s device); same bytes on every device.
     """
+    if not isinstance(analysis, Analysis):
+        raise TypeError(f"analysis must be an Analysis, got {type(analysis).__name__}")
     fmt = analysis.format
     _check_experts(tensor, fmt.code)
+    _check_progress(progress)
     experts, values = int(tensor.shape[0]), tensor[0].numel() if tensor.shape[0] else 0
     if (experts, values) != (analysis.codebooks.shape[0], fmt.values):
         raise ValueError(
@@ -249,9 +297,15 @@ def write_records(
         )
     fmt.check_records(out, "out", experts)
     target = _target(tensor, device)
+    if experts == 0 or values == 0:
+        return  # records of no bytes
+    steps = list(_steps(experts, values, None))
+    if len(steps) > 1:  # a tensor that does not fit fails in step 1 (as it does below), before ``out`` changes
+        for start, stop in steps:
+            _check_step(_on(tensor[start:stop], target), analysis.codebooks[start:stop].to(target), fmt)
     last = fmt.last_values
     keep = [HEADER_BYTES, _pad16(last), fmt.code_bytes(last), fmt.spill_bytes, fmt.capacity]
-    for start, stop in _steps(int(tensor.shape[0]), fmt.values, progress):
+    for start, stop in _steps(experts, values, progress):
         parts = _blocks(_on(tensor[start:stop], target), analysis.codebooks[start:stop].to(target), fmt)
         whole = torch.cat([part[:, :-1] for part in parts], dim=2).flatten(1)
         tail = torch.cat([part[:, -1, :size] for part, size in zip(parts, keep, strict=True)], dim=1)

@@ -79,6 +79,8 @@ class ExponentCode:
     second_bits: int = field(default=DEFAULT_SECOND_BITS, kw_only=True)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__} {self.dtype!r:.40}")
         if self.dtype not in FLOAT16_FIELDS:
             raise ValueError(f"exponent coding applies to bfloat16 and float16 tensors, not {self.dtype}")
         for name in ("code_bits", "block", "second_bits"):
@@ -142,6 +144,24 @@ class RecordFormat:
     capacity: int
     spill: int = 0
 
+    def __post_init__(self) -> None:
+        """Refuse fields no encoder writes: the kernel reads blocks at offsets made of them."""
+        if not isinstance(self.code, ExponentCode):
+            raise TypeError(f"code must be an ExponentCode, got {type(self.code).__name__}")
+        for name in ("values", "capacity", "spill"):
+            value = getattr(self, name)
+            if type(value) is not int:  # not a bool, float or string
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r:.40}")
+        if self.values < 0:
+            raise ValueError(f"values must be at least 0, got {self.values}")
+        block = self.code.block  # at most every value of a block escapes
+        if self.capacity % 16 or not 0 <= self.capacity <= block:
+            raise ValueError(f"capacity must be a multiple of 16 from 0 to {block}, got {self.capacity}")
+        if self.code.second_bits == 0 and self.spill:
+            raise ValueError(f"spill must be 0 for a code of one level (second_bits 0), got {self.spill}")
+        if self.spill % 8 or not 0 <= self.spill <= block:
+            raise ValueError(f"spill must be a multiple of 8 from 0 to {block}, got {self.spill}")
+
     @property
     def num_blocks(self) -> int:
         return -(-self.values // self.code.block)
@@ -177,7 +197,9 @@ class RecordFormat:
 
     def check_records(self, records: torch.Tensor, name: str, experts: int | None = None) -> None:
         """Raise ValueError unless ``records`` is uint8 ``[experts, record_bytes]`` (any number
-        of experts when ``experts`` is None)."""
+        of experts when ``experts`` is None); TypeError unless it is a tensor."""
+        if not isinstance(records, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(records).__name__}")
         rows = records.shape[0] if records.dim() == 2 and experts is None else experts
         if records.dtype != torch.uint8 or tuple(records.shape) != (rows, self.record_bytes):
             raise ValueError(

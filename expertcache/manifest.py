@@ -23,6 +23,12 @@ written by hand or damaged); ``experts`` and ``layers`` at most `MAX_COUNT`,
 ``compressed_expert_bytes`` at most ``expert_bytes`` (a coded tensor is stored only where it
 is smaller) and equal to it when ``compression`` is null; ``compression`` null or a name of
 `expertcache.compression.COMPRESSIONS` (comma-separated when the layers' stores differ).
+The other fields are checked too: each ``tensors`` entry has exactly a string ``name`` and
+``dtype``, a ``shape`` of integers >= 0 and integer ``bytes`` >= 0 that sum to
+``expert_bytes`` (a hand-written manifest may list no tensors); the slot and byte totals are
+integers >= 0, ``pinned_host_bytes`` at most ``host_bytes`` and ``gpu_bytes_freed`` exactly
+``full_residency_gpu_bytes - pool_gpu_bytes``; ``device`` is a string. `Manifest.write`
+refuses, before writing, a manifest that `Manifest.read` would refuse.
 
 ``expertcache plan --manifest FILE`` reads ``expert_bytes`` (the bytes one miss copies and
 one slot holds) from it.
@@ -110,8 +116,14 @@ class Manifest:
 
     def write(self, path: str | Path) -> None:
         """Write the manifest as JSON to ``path``, whole (`expertcache.file_writes`: a failed
-        write leaves the file as it was)."""
-        write_files({Path(path): (self.to_json() + "\n").encode("utf-8")})
+        write leaves the file as it was).
+
+        Raises:
+            ValueError: a manifest `read` would refuse (nothing is written).
+        """
+        text = self.to_json()
+        _parse(Path(path), json.loads(text))
+        write_files({Path(path): (text + "\n").encode("utf-8")})
 
     @classmethod
     def read(cls, path: str | Path) -> Manifest:
@@ -131,18 +143,70 @@ class Manifest:
             raise ValueError(f"{path}: not UTF-8 text") from None
         except (ValueError, RecursionError) as error:
             raise ValueError(f"{path}: not JSON ({error})") from None
-        if not isinstance(data, dict) or data.pop("manifest_version", None) != MANIFEST_VERSION:
-            raise ValueError(f"{path}: not an expertcache manifest (manifest_version {MANIFEST_VERSION})")
-        try:
-            tensors = tuple(
-                TensorEntry(str(entry["name"]), tuple(entry["shape"]), str(entry["dtype"]), entry["bytes"])
-                for entry in data.pop("tensors")
-            )
-            manifest = cls(tensors=tensors, **data)
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"{path}: not an expertcache manifest ({type(error).__name__}: {error})") from None
-        _check_sizes(path, manifest)
-        return manifest
+        return _parse(path, data)
+
+
+def _parse(path: Path, data: object) -> Manifest:
+    """The `Manifest` of ``data`` (a JSON document read from ``path``), every field checked."""
+    version = data.pop("manifest_version", None) if isinstance(data, dict) else None
+    if not isinstance(data, dict) or type(version) is not int or version != MANIFEST_VERSION:  # not 2.0, true
+        raise ValueError(f"{path}: not an expertcache manifest (manifest_version {MANIFEST_VERSION})")
+    entries = data.pop("tensors", None)
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: not an expertcache manifest ('tensors' must be a list, got {entries!r:.40})")
+    tensors = tuple(_entry(path, index, entry) for index, entry in enumerate(entries))
+    try:
+        manifest = Manifest(tensors=tensors, **data)
+    except TypeError as error:
+        raise ValueError(f"{path}: not an expertcache manifest ({type(error).__name__}: {error})") from None
+    _check_sizes(path, manifest)
+    _check_totals(path, manifest)
+    return manifest
+
+
+_ENTRY_KEYS = ("bytes", "dtype", "name", "shape")
+
+
+def _entry(path: Path, index: int, entry: object) -> TensorEntry:
+    """One ``tensors`` entry, its fields checked (none converted: ``5`` is not a name)."""
+    where = f"{path}: 'tensors' entry {index}"
+    if not isinstance(entry, dict) or sorted(entry) != list(_ENTRY_KEYS):
+        raise ValueError(f"{where} must have the keys {', '.join(_ENTRY_KEYS)}, got {entry!r:.60}")
+    for key in ("name", "dtype"):
+        if not isinstance(entry[key], str):
+            raise ValueError(f"{where}: {key!r} must be a string, got {entry[key]!r:.40}")
+    shape, nbytes = entry["shape"], entry["bytes"]
+    if not isinstance(shape, list) or any(type(size) is not int or size < 0 for size in shape):
+        raise ValueError(f"{where}: 'shape' must be a list of integers >= 0, got {shape!r:.40}")
+    if type(nbytes) is not int or nbytes < 0:
+        raise ValueError(f"{where}: 'bytes' must be an integer >= 0, got {nbytes!r:.40}")
+    return TensorEntry(entry["name"], tuple(shape), entry["dtype"], nbytes)
+
+
+def _check_totals(path: Path, manifest: Manifest) -> None:
+    """The fields a plan does not use: their types, and the sums `build_manifest` makes of them."""
+    for name in ("num_slots", "pool_gpu_bytes", "host_bytes", "pinned_host_bytes", "full_residency_gpu_bytes"):
+        value = getattr(manifest, name)
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{path}: {name!r} must be an integer >= 0, got {value!r:.40}")
+    if type(manifest.gpu_bytes_freed) is not int:
+        raise ValueError(f"{path}: 'gpu_bytes_freed' must be an integer, got {manifest.gpu_bytes_freed!r:.40}")
+    if not isinstance(manifest.device, str):
+        raise ValueError(f"{path}: 'device' must be a string, got {manifest.device!r:.40}")
+    pinned, host = manifest.pinned_host_bytes, manifest.host_bytes
+    if pinned > host:
+        raise ValueError(f"{path}: 'pinned_host_bytes' ({pinned}) must be at most 'host_bytes' ({host})")
+    full, pool = manifest.full_residency_gpu_bytes, manifest.pool_gpu_bytes
+    if manifest.gpu_bytes_freed != full - pool:
+        raise ValueError(
+            f"{path}: 'gpu_bytes_freed' ({manifest.gpu_bytes_freed}) must be 'full_residency_gpu_bytes' - "
+            f"'pool_gpu_bytes' ({full - pool})"
+        )
+    listed = sum(entry.bytes for entry in manifest.tensors)
+    if manifest.tensors and listed != manifest.expert_bytes:  # a hand-written manifest may list none
+        raise ValueError(
+            f"{path}: 'expert_bytes' ({manifest.expert_bytes}) must be the sum of the tensors' bytes ({listed})"
+        )
 
 
 def _check_sizes(path: Path, manifest: Manifest) -> None:

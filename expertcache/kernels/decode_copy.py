@@ -219,6 +219,49 @@ def decode_copy_torch(
             tensor.reshape(tensor.shape[0], -1)[slot] = decode_records_torch(record, fmt)[0].to(tensor.device)
 
 
+def _check_arguments(source: object, slots: object, plan: object, segments: object, num_experts: object) -> None:
+    """Raise unless the launch reads only ``source``'s bytes and writes only the slots' (see `decode_copy`)."""
+    if not isinstance(source, torch.Tensor):
+        raise TypeError(f"source must be a tensor, got {type(source).__name__}")
+    if not isinstance(slots, list | tuple) or not all(isinstance(t, torch.Tensor) for t in slots):
+        bad = type(slots).__name__ if not isinstance(slots, list | tuple) else type(slots[0]).__name__
+        raise TypeError(f"slots must be a list of tensors, got {bad}")
+    if not isinstance(plan, CopyPlan):
+        raise TypeError(f"plan must be a CopyPlan, got {type(plan).__name__}")
+    if not isinstance(segments, DecodeSegments):
+        raise TypeError(f"segments must be DecodeSegments, got {type(segments).__name__}")
+    if type(num_experts) is not int:
+        raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__} {num_experts!r:.40}")
+    if num_experts < 0:
+        raise ValueError(f"num_experts must be at least 0, got {num_experts}")
+    if source.dtype != torch.uint8 or source.dim() != 1:
+        raise ValueError("source must be a flat uint8 buffer")
+    if not source.is_contiguous() or source.data_ptr() % 16 or source.numel() % 16:
+        raise ValueError(
+            "source must be a contiguous flat uint8 buffer on a 16-byte boundary, a multiple of 16 bytes long "
+            f"(the kernel reads 16-byte words), got {source.numel()} bytes at stride {source.stride(0)}"
+        )
+    formats = segments.formats
+    if not len(segments.offsets) == len(formats) == len(segments.first_chunks) >= 1:
+        raise ValueError("segments must hold one offset and first chunk per format (build_decode_segments)")
+    if len(slots) != len(formats):
+        raise ValueError(f"give one slot tensor per segment ({len(formats)}), got {len(slots)}")
+    needed = max(offset + num_experts * fmt.record_bytes for offset, fmt in zip(segments.offsets, formats, strict=True))
+    if source.numel() < needed:
+        raise ValueError(f"source holds {source.numel()} bytes; {num_experts} experts of the segments need {needed}")
+    code = formats[0].code
+    for tensor, fmt in zip(slots, formats, strict=True):
+        if not tensor.is_contiguous() or tensor.device != slots[0].device or tensor.dtype != code.dtype:
+            raise ValueError(f"slot tensors must be contiguous {code.dtype} tensors on one device")
+        if tensor.dim() < 1 or tensor.shape[0] < 1:
+            raise ValueError(f"slot tensors must hold at least one slot, got shape {list(tensor.shape)}")
+        if tensor[0].numel() != fmt.values:
+            raise ValueError(f"a slot of {tensor[0].numel()} values cannot take records of {fmt.values}")
+    counts = [int(tensor.shape[0]) for tensor in slots]
+    if len(set(counts)) != 1:  # slot ids are checked against one count: a smaller tensor was written past
+        raise ValueError(f"slot tensors must all hold {counts[0]} slots, got {counts}")
+
+
 def decode_copy(
     source: torch.Tensor,
     slots: list[torch.Tensor],
@@ -244,22 +287,21 @@ def decode_copy(
         num_programs: programs of the persistent grid (fixed: graph-safe); default
             `default_programs`.
     """
-    if source.dtype != torch.uint8 or source.dim() != 1:
-        raise ValueError("source must be a flat uint8 buffer")
-    if len(slots) != len(segments.formats):
-        raise ValueError(f"give one slot tensor per segment ({len(segments.formats)}), got {len(slots)}")
-    code = segments.formats[0].code
-    for tensor, fmt in zip(slots, segments.formats, strict=True):
-        if not tensor.is_contiguous() or tensor.device != slots[0].device or tensor.dtype != code.dtype:
-            raise ValueError(f"slot tensors must be contiguous {code.dtype} tensors on one device")
-        if tensor[0].numel() != fmt.values:
-            raise ValueError(f"a slot of {tensor[0].numel()} values cannot take records of {fmt.values}")
-    num_programs = num_programs or default_programs(slots[0].device)
+    _check_arguments(source, slots, plan, segments, num_experts)
+    if num_programs is not None and type(num_programs) is not int:
+        raise TypeError(f"num_programs must be an int or None, got {type(num_programs).__name__} {num_programs!r:.40}")
+    if num_programs is not None and num_programs < 1:
+        raise ValueError(f"num_programs must be at least 1, got {num_programs}")
+    num_programs = default_programs(slots[0].device) if num_programs is None else num_programs
     needed = scratch_bytes(segments, num_programs)
     if scratch is not None and (
-        scratch.dtype != torch.uint8 or scratch.numel() < needed or scratch.device != slots[0].device
+        not isinstance(scratch, torch.Tensor)
+        or scratch.dtype != torch.uint8
+        or not scratch.is_contiguous()
+        or scratch.numel() < needed
+        or scratch.device != slots[0].device
     ):
-        raise ValueError(f"scratch must be a uint8 buffer of >= {needed} bytes on the slots' device")
+        raise ValueError(f"scratch must be a contiguous uint8 buffer of >= {needed} bytes on the slots' device")
     if not runs_on(slots[0]):
         raise RuntimeError("the decode kernel needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
     if scratch is None:
@@ -271,7 +313,7 @@ def decode_copy(
     else:
         source_arg = source.view(torch.int32)
     pad = MAX_TENSORS - len(slots)
-    formats = segments.formats
+    formats, code = segments.formats, segments.formats[0].code
     destinations = [t.view(torch.int16) for t in slots] + [slots[0].view(torch.int16)] * pad
     _decode_copy_kernel[(num_programs,)](
         source_arg, scratch, *destinations, plan.num_copies, plan.experts, plan.slots, plan.stride,
