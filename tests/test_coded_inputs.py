@@ -193,9 +193,11 @@ def test_decode_copy_refuses_arguments_that_are_not_tensors_or_plans():
         decode_copy(source, _slots(), plan, "segments", num_experts=3)
     with pytest.raises(ValueError, match=r"segments must hold one offset and first chunk per format"):
         decode_copy(source, _slots(), plan, segments._replace(offsets=()), num_experts=3)
-    slots = _slots()
-    decode_copy(source, slots, plan, segments, num_experts=3)  # control
-    assert torch.equal(slots[0][:3], tensor)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the control launches: a GPU, or interpreted
+    slots = [slot.to(device) for slot in _slots()]
+    plan = CopyPlan.of(torch.tensor([3, 0, 0, 0, 0, 1, 1, 0, 0, 2, 2, 0, 0], dtype=torch.int32, device=device))
+    decode_copy(source.to(device), slots, plan, segments, num_experts=3)  # control
+    assert torch.equal(slots[0][:3].cpu(), tensor)
 
 
 # -- the manifest ------------------------------------------------------------------------------
