@@ -57,8 +57,12 @@ def decode_records_torch(records: torch.Tensor, fmt: RecordFormat) -> torch.Tens
     Raises:
         ValueError: ``records`` is not uint8 ``[E, fmt.record_bytes]``.
     """
+    if not isinstance(fmt, RecordFormat):
+        raise TypeError(f"fmt must be a RecordFormat, got {type(fmt).__name__}")
     fmt.check_records(records, "records")
     records = records.cpu()
+    if fmt.values == 0:  # experts without values (`encode` of ``[E, 0]``): records of no bytes
+        return torch.empty(records.shape[0], 0, dtype=fmt.code.dtype)
     experts, full = records.shape[0], fmt.num_blocks - 1
     whole = records[:, : full * fmt.block_bytes()].reshape(experts * full, fmt.block_bytes())
     parts = [_decode_blocks(whole, fmt.code.block, fmt).view(experts, -1)]

@@ -24,6 +24,7 @@ import torch
 
 import expertcache.compression as compression
 from expertcache.compression import Analysis, ExponentCode, RecordFormat, analyse, encode, write_records
+from expertcache.exponent_decode import decode_records_torch
 from expertcache.kernels.copy_experts import CopyPlan
 from expertcache.kernels.decode_copy import build_decode_segments, decode_copy
 from expertcache.manifest import Manifest, TensorEntry
@@ -74,6 +75,14 @@ def test_experts_on_the_meta_device_are_refused():
 def test_experts_without_values_encode_to_empty_records():
     fmt, records = encode(torch.zeros(3, 0, dtype=torch.bfloat16), CODE)
     assert fmt.record_bytes == 0 and records.shape == (3, 0)
+    decoded = decode_records_torch(records, fmt)  # and decode back (it crashed in a reshape)
+    assert decoded.shape == (3, 0) and decoded.dtype == torch.bfloat16
+
+
+def test_the_reference_decoder_refuses_a_format_that_is_not_one():
+    fmt, records = encode(_experts(), CODE)
+    with pytest.raises(TypeError, match="fmt must be a RecordFormat, got dict"):
+        decode_records_torch(records, dataclasses.asdict(fmt))
 
 
 # -- the code's dataclasses --------------------------------------------------------------------
