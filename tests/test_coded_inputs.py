@@ -26,7 +26,7 @@ import expertcache.compression as compression
 from expertcache.compression import Analysis, ExponentCode, RecordFormat, analyse, encode, write_records
 from expertcache.exponent_decode import decode_records_torch
 from expertcache.kernels.copy_experts import CopyPlan
-from expertcache.kernels.decode_copy import build_decode_segments, decode_copy
+from expertcache.kernels.decode_copy import build_decode_segments, decode_copy, decode_copy_torch
 from expertcache.manifest import Manifest, TensorEntry
 
 CODE = ExponentCode(torch.bfloat16, 3, 16)
@@ -258,3 +258,12 @@ def test_writing_a_manifest_that_reading_would_refuse_leaves_the_file(tmp_path):
     with pytest.raises(ValueError, match="'num_slots' must be an integer >= 0, got -2"):
         dataclasses.replace(_manifest(), num_slots=-2).write(path)
     assert path.read_bytes() == before and Manifest.read(path) == _manifest()
+
+
+def test_the_reference_decode_copy_refuses_a_strided_slot_tensor():
+    """It wrote into a copy (its reshape of a strided tensor), leaving the slot as it was."""
+    _, source, plan, segments = _launch()
+    strided = torch.full((4, 80), -7.0, dtype=torch.bfloat16)[:, ::2]
+    with pytest.raises(ValueError, match="slot tensors must be contiguous"):
+        decode_copy_torch(source, [strided], plan, segments, num_experts=3)
+    assert bool((strided == -7.0).all())

@@ -205,7 +205,10 @@ def default_programs(device: torch.device) -> int:
 def decode_copy_torch(
     source: torch.Tensor, slots: list[torch.Tensor], plan: CopyPlan, segments: DecodeSegments, *, num_experts: int
 ) -> None:
-    """Reference of `decode_copy`: each planned expert's records decoded (in torch) into its slot."""
+    """Reference of `decode_copy`: each planned expert's records decoded (in torch) into its slot.
+    Takes what the kernel takes and refuses what it refuses (a strided slot tensor was left
+    unwritten: its reshape was a copy)."""
+    _check_arguments(source, slots, plan, segments, num_experts)
     num_slots = slots[0].shape[0]
     count = min(int(plan.num_copies.reshape(-1)[0]), num_slots)
     experts = plan.experts[: plan.stride * count : plan.stride].tolist()
