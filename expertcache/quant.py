@@ -52,7 +52,7 @@ from expertcache.quant_fp8 import (
 from expertcache.quant_mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from expertcache.reference import combine_expert_outputs
 from expertcache.result import ExpertWeightResult
-from expertcache.validation import check_flag
+from expertcache.validation import check_flag, check_int
 
 FORMATS = ("fp8", "mxfp4", "none")
 #: weight dtypes of format "none"
@@ -99,7 +99,8 @@ class QuantScheme:
         if self.fp8_block is not None:
             if self.format != "fp8":
                 raise ValueError(f"fp8_block is for format 'fp8' only (None otherwise); got {self.fp8_block!r}")
-            check_fp8_block(self.fp8_block, "fp8_block")
+            # a list is the tuple it holds (equal and hashable as the scheme's field says)
+            object.__setattr__(self, "fp8_block", check_fp8_block(self.fp8_block, "fp8_block"))
         check_flag("has_bias", self.has_bias)
         self._check_constants()
 
@@ -160,6 +161,10 @@ def quantize_experts(
     Returns:
         ``{name: [E, ...]}`` in ``scheme.names`` order (shapes in the module docstring).
     """
+    check_scheme(scheme)
+    _check_float_experts(w1, w2, finite=scheme.format != "none")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (bf16, fp16 or fp32) or None, got {dtype!r:.40}")
     if dtype is not None and scheme.format != "none":
         raise ValueError(f"dtype is for format 'none' only; {scheme.format} has its own")
     out = {}
@@ -180,6 +185,7 @@ def quantize_experts(
         if w1_bias is None or w2_bias is None:
             raise ValueError("this scheme registers biases: give w1_bias [E, 2I] and w2_bias [E, H]")
         for name, bias, rows in (("w1_bias", w1_bias, w1.shape[:2]), ("w2_bias", w2_bias, w2.shape[:2])):
+            _check_float_tensor(name, bias, w1.device)
             if tuple(bias.shape) != tuple(rows):
                 raise ValueError(f"{name} must be {list(rows)} (a row per expert and output), got {list(bias.shape)}")
             out[name] = bias.float().contiguous()
@@ -193,8 +199,18 @@ def dequantize_experts(
 
     ``hidden_size`` (H) is needed because MXFP4 pads the columns to whole groups of 32.
     """
+    check_scheme(scheme)
     tensors = weights_of(weights)
+    missing = [name for name in scheme.names if not name.endswith("_bias") and tensors.get(name) is None]
+    if missing:
+        raise ValueError(f"weights lack {missing}; scheme {scheme.format} registers {list(scheme.names)}")
+    hidden_size = check_int("hidden_size", hidden_size, minimum=1, expected="a positive int (H)")
+    if scheme.format != "mxfp4" and tensors["w1"].shape[-1] != hidden_size:  # MXFP4: dequantize_mxfp4 checks
+        raise ValueError(f"hidden_size must be the weights' H, {tensors['w1'].shape[-1]}; got {hidden_size}")
     if scheme.format == "none":
+        for name in ("w1", "w2"):
+            if tensors[name].dtype not in UNQUANTIZED_DTYPES:
+                raise ValueError(f"format 'none' stores {UNQUANTIZED_DTYPES}; {name} is {tensors[name].dtype}")
         return tensors["w1"].float(), tensors["w2"].float()
     w1, w2, s1, s2 = (tensors[name] for name in ("w1", "w2", "w1_scale", "w2_scale"))
     if scheme.format == "mxfp4":
@@ -236,12 +252,17 @@ def gated_moe_forward(
         w1_bias, w2_bias: ``[N, 2I]``, ``[N, H]`` when ``scheme.has_bias``.
 
     Returns:
-        ``[T, H]`` in ``hidden``'s dtype, summed over k in k order.
+        ``[T, H]`` in ``hidden``'s dtype, summed over k in k order; ids outside ``[0, N)``
+        contribute nothing.
     """
+    check_scheme(scheme)
+    check_router_call(hidden, topk_weights, topk_ids)
+    _check_float_experts(w1, w2, finite=False, hidden_size=hidden.shape[1])
+    _check_biases(scheme, w1, w2, w1_bias, w2_bias)
     tokens, top_k = topk_ids.shape
     per_choice = hidden.new_zeros(tokens, top_k, w2.shape[1])  # y_tk, [T, K, H]
     for expert in torch.unique(topk_ids).tolist():
-        if expert == -1:
+        if not 0 <= expert < w1.shape[0]:  # -1 and other ids outside the experts: nothing
             continue
         token_idx, choice_idx = torch.nonzero(topk_ids == expert, as_tuple=True)
         h = hidden[token_idx] @ w1[expert].T.to(hidden.dtype)
@@ -266,7 +287,10 @@ def quant_moe_forward(
 
     Ids outside ``[0, N)`` contribute nothing, as in the kernels. Returns ``[T, H]`` float32.
     """
+    check_scheme(scheme)
     tensors = weights_of(weights)
+    check_unregistered(scheme, tensors)
+    check_router_call(hidden, topk_weights, topk_ids)
     w1, w2 = dequantize_experts(scheme, tensors, hidden.shape[1])
     ids = torch.where((topk_ids >= 0) & (topk_ids < w1.shape[0]), topk_ids, -1)
     return gated_moe_forward(hidden.float(), w1, w2, topk_weights.float(), ids, scheme=scheme,
@@ -283,3 +307,80 @@ def _activate(h: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     gate = gate.clamp(max=scheme.limit)
     up = up.clamp(min=-scheme.limit, max=scheme.limit)
     return (up + 1) * (gate * torch.sigmoid(gate * scheme.alpha))
+
+
+def check_scheme(scheme: object) -> QuantScheme:
+    """``scheme`` is a `QuantScheme` (a format name alone says nothing of the MLP)."""
+    if not isinstance(scheme, QuantScheme):
+        raise TypeError(f"scheme must be a QuantScheme (e.g. FP8_BLOCK_128), got {type(scheme).__name__}")
+    return scheme
+
+
+def check_unregistered(scheme: QuantScheme, tensors: Mapping[str, torch.Tensor | None]) -> None:
+    """Scales or biases that ``scheme`` does not register would be dropped: refused."""
+    for name in ("w1_scale", "w2_scale", "w1_bias", "w2_bias"):
+        if tensors.get(name) is not None and name not in scheme.names:
+            why = "has_bias=False" if name.endswith("_bias") else "format 'none' has no scales"
+            raise ValueError(f"{name} given but the scheme registers {list(scheme.names)} ({why}): it would be dropped")
+
+
+def check_router_call(hidden: object, topk_weights: object, topk_ids: object) -> None:
+    """``hidden`` ``[T, H]`` floating point, ``topk_weights`` floating point and ``topk_ids``
+    int32/int64, both ``[T, K]``, on ``hidden``'s device."""
+    for name, tensor in (("hidden", hidden), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    assert isinstance(hidden, torch.Tensor) and isinstance(topk_weights, torch.Tensor)
+    assert isinstance(topk_ids, torch.Tensor)
+    if hidden.dim() != 2 or not hidden.is_floating_point():
+        raise ValueError(f"hidden must be floating point [T, H], got {hidden.dtype} {list(hidden.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights and topk_ids must both be [T, K] with T = {hidden.shape[0]}, got "
+                         f"{list(topk_weights.shape)} and {list(topk_ids.shape)}")  # fmt: skip
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
+        raise TypeError(f"topk_ids must be int32/int64 and topk_weights floating point, got {topk_ids.dtype}, "
+                        f"{topk_weights.dtype}")  # fmt: skip
+    for name, tensor in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if tensor.device != hidden.device:
+            raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")
+
+
+def _check_float_tensor(name: str, tensor: object, device: torch.device | None = None) -> None:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise TypeError(f"{name} must be a floating-point tensor, got {got}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, w1 on {device}")
+
+
+def _check_float_experts(w1: object, w2: object, *, finite: bool, hidden_size: int | None = None) -> None:
+    """Float ``w1`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` that agree (``H = hidden_size`` when
+    given); ``finite``: no inf or NaN (a quantised block's scale would be inf or NaN)."""
+    _check_float_tensor("w1", w1)
+    assert isinstance(w1, torch.Tensor)
+    _check_float_tensor("w2", w2, w1.device)
+    assert isinstance(w2, torch.Tensor)
+    if w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w1 and w2 must be 3-D [E, 2I, H] and [E, H, I], got {list(w1.shape)} and {list(w2.shape)}")
+    num, rows, hidden = w1.shape
+    if w2.shape[0] != num or w2.shape[1] != hidden or rows != 2 * w2.shape[2] or rows == 0 or hidden == 0:
+        raise ValueError(f"w1 [E, 2I, H] and w2 [E, H, I] disagree: got {list(w1.shape)} and {list(w2.shape)}")
+    if hidden_size is not None and hidden != hidden_size:
+        raise ValueError(f"hidden has {hidden_size} columns but the experts' H is {hidden} (w1 {list(w1.shape)})")
+    for name, weight in (("w1", w1), ("w2", w2)):
+        if finite and not bool(torch.isfinite(weight).all()):
+            raise ValueError(f"{name} must be finite to be quantised (an inf or NaN spoils its block's scale)")
+
+
+def _check_biases(scheme: QuantScheme, w1: torch.Tensor, w2: torch.Tensor, w1_bias, w2_bias) -> None:
+    """``w1_bias`` ``[N, 2I]`` and ``w2_bias`` ``[N, H]`` exactly when ``scheme.has_bias``."""
+    if not scheme.has_bias:
+        if w1_bias is not None or w2_bias is not None:
+            raise ValueError("w1_bias / w2_bias given but the scheme has has_bias=False: they would be dropped")
+        return
+    for name, bias, rows in (("w1_bias", w1_bias, w1.shape[:2]), ("w2_bias", w2_bias, w2.shape[:2])):
+        if bias is None:
+            raise ValueError(f"{name} is required: the scheme has has_bias=True")
+        _check_float_tensor(name, bias, w1.device)
+        if tuple(bias.shape) != tuple(rows):
+            raise ValueError(f"{name} must be {list(rows)}, got {list(bias.shape)}")

@@ -20,12 +20,14 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import runs_on
-from expertcache.quant import UNQUANTIZED_DTYPES, QuantScheme
+from expertcache.quant import UNQUANTIZED_DTYPES, QuantScheme, check_router_call, check_scheme, check_unregistered
 from expertcache.quant_mxfp4 import GROUP, mxfp4_groups
 
 FORMAT_FP8, FORMAT_MXFP4, FORMAT_NONE = 0, 1, 2
 FORMAT_CODES = {"fp8": FORMAT_FP8, "mxfp4": FORMAT_MXFP4, "none": FORMAT_NONE}
 ACTIVATION_SILU, ACTIVATION_SWIGLU_OAI = 0, 1
+#: dtypes of the tokens (``hidden``) an apply takes
+TOKEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -137,11 +139,11 @@ def quant_operands(
     hidden: torch.Tensor, tensors: Mapping[str, torch.Tensor], topk_weights, topk_ids, scheme: QuantScheme
 ) -> QuantOperands:
     """Validate one call's inputs against ``scheme`` (see `expertcache.quant`)."""
-    if not isinstance(scheme, QuantScheme):
-        raise TypeError(f"scheme must be a QuantScheme, got {type(scheme).__name__}")
+    check_scheme(scheme)
     missing = [name for name in scheme.names if tensors.get(name) is None]
     if missing:
         raise ValueError(f"weights lack {missing}; scheme {scheme} registers {list(scheme.names)}")
+    check_unregistered(scheme, tensors)
     _check_call(hidden, topk_weights, topk_ids)
     for name in scheme.names:
         if tensors[name].device != hidden.device:
@@ -225,18 +227,10 @@ def _mxfp4(tensors, name, num_rows, rows, columns) -> Projection:
 
 
 def _check_call(hidden, topk_weights, topk_ids) -> None:
-    for name, tensor in (("hidden", hidden), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    check_router_call(hidden, topk_weights, topk_ids)
     if not runs_on(hidden):
         raise RuntimeError("the quantised apply needs CUDA tensors, or TRITON_INTERPRET=1 on a CPU")
-    if hidden.dim() != 2 or hidden.stride(1) != 1 or not hidden.is_floating_point():
-        raise ValueError(f"hidden must be floating point [T, H] with contiguous rows, got {list(hidden.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
-        raise ValueError("topk_ids and topk_weights must both be [T, K] with T = hidden.shape[0]")
-    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
-        raise TypeError(f"topk_ids must be int32/int64 and topk_weights floating point, got {topk_ids.dtype}, "
-                        f"{topk_weights.dtype}")  # fmt: skip
-    for name, tensor in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if tensor.device != hidden.device:
-            raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")
+    if hidden.dtype not in TOKEN_DTYPES:  # the kernels load and store these; others were served as they came
+        raise TypeError(f"hidden must be fp32, fp16 or bf16, got {hidden.dtype}")
+    if hidden.stride(1) != 1:
+        raise ValueError(f"hidden must have contiguous rows, got strides {hidden.stride()}")

@@ -55,7 +55,7 @@ from expertcache.integrations.transformers.packed_tensors import (
     packed_operands,
 )
 from expertcache.integrations.transformers.pass_runs import PassSummer
-from expertcache.quant import gated_moe_forward
+from expertcache.quant import check_router_call, gated_moe_forward
 from expertcache.quant_fp8 import dequantize_fp8_blocks
 from expertcache.quant_mxfp4 import dequantize_mxfp4
 from expertcache.result import ExpertWeightResult
@@ -85,14 +85,19 @@ def dequant_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
 
     Args:
         hidden_states: ``[T, H]``; top_k_index: ``[T, K]`` ids into the module's ``[N, ...]``
-            tensors; top_k_weights: ``[T, K]``.
+            tensors (others, -1 or transformers' expert-parallel sentinel ``N``, contribute
+            nothing, as in the kernels); top_k_weights: ``[T, K]``.
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype.
     """
     tensors, scheme = packed_operands(self)
-    used, local = torch.unique(top_k_index, return_inverse=True)  # dequantize only these
-    picked = {name: tensor.index_select(0, used) for name, tensor in tensors.items()}
+    check_router_call(hidden_states, top_k_weights, top_k_index)
+    num_experts = tensors["w1"].shape[0]
+    served = (top_k_index >= 0) & (top_k_index < num_experts)  # others (-1, the EP sentinel): nothing, as the kernels
+    used, local = torch.unique(torch.where(served, top_k_index, num_experts), return_inverse=True)
+    local = torch.where(served, local, -1)
+    picked = {name: tensor.index_select(0, used.clamp(max=num_experts - 1)) for name, tensor in tensors.items()}
     if scheme.format == "mxfp4":
         inter = picked["w1"].shape[1] // 2
         w1 = dequantize_mxfp4(picked["w1"], picked["w1_scale"], hidden_states.shape[1])
