@@ -232,12 +232,12 @@ def _overlapped_passes(
         with torch.inference_mode(False):
             pass_of = torch.empty(ids.shape, dtype=torch.int32, device=pool.device)
     main = torch.cuda.current_stream(pool.device) if pool.copy_stream() is not None else None
-    pool.calls_begun += 1
-    begun = pool.calls_begun
+    begun: list[int] = []  # the call's number (`SlotPool.calls_begun`), once it is inside the pool
     enqueued: list[_Enqueued] = []  # their counters live until the copy stream is joined
 
     def enqueue(index: int, split: bool = False) -> _Enqueued:
-        enqueued.append(_enqueue_pass(pool, layer, ids, pass_of, index, counting, split))
+        starts = begun if index == 0 else None
+        enqueued.append(_enqueue_pass(pool, layer, ids, pass_of, index, counting, split, starts))
         return enqueued[-1]
 
     try:
@@ -246,13 +246,13 @@ def _overlapped_passes(
         pool.passes_owed = True  # the misses' slots are promised: no prefetch may take them meanwhile
         _wait(main, first.admitted)
         yield first.slot_ids, None
-        _check_no_call_between(pool, begun)
+        _check_no_call_between(pool, begun[0])
         pool.passes_owed = count > 1
         _wait(main, first.ready)
         assert first.miss_slot_ids is not None  # a split pass
         yield first.miss_slot_ids, first.landing
         for index in range(1, count):
-            _check_no_call_between(pool, begun)
+            _check_no_call_between(pool, begun[0])
             current = following
             assert current is not None  # enqueued one pass ahead
             following = enqueue(index + 1) if index + 1 < count else None
@@ -260,8 +260,10 @@ def _overlapped_passes(
             _wait(main, current.ready)
             yield current.slot_ids, current.landing
     finally:
-        pool.passes_owed = False
-        join_copies(pool)  # the caller stopped early, or the last pass: join the copy stream
+        if begun:  # a thread refused at the pool's guard changed nothing, and must not now
+            if pool.calls_begun == begun[0]:  # a later call (still owing passes, maybe) owns the flag
+                pool.passes_owed = False
+            join_copies(pool)  # the caller stopped early, or the last pass: join the copy stream
 
 
 def _check_no_call_between(pool: SlotPool, begun: int) -> None:
@@ -288,11 +290,13 @@ def _enqueue_pass(
     index: int,
     counting: Counting | None,
     split: bool = False,
+    starts: list[int] | None = None,
 ) -> _Enqueued:
     """Admit pass ``index`` of an overlapped call and copy its misses, both on the pool's
     copy stream after what the current stream holds (atomic like a call: a failure is
     undone there), counting what lands when ``counting`` is given. The outputs are allocated
-    on the current stream, which reads them."""
+    on the current stream, which reads them. ``starts``: the call begins here; once inside
+    the pool's guard, the call's number is appended to it."""
     copy_stream = pool.copy_stream()
     out = torch.empty_like(ids)
     misses = torch.empty_like(ids) if split else None
@@ -301,6 +305,9 @@ def _enqueue_pass(
     passes = pass_of if pass_of.numel() else None
     where: dict[str, Any] = dict(num_global=layer.num_global, key_offset=layer.key_offset)
     with pool.guard, on_device(pool.device), deferred_interrupts():
+        if starts is not None:  # counted inside the guard: a caller refused at it changes nothing
+            pool.calls_begun += 1
+            starts.append(pool.calls_begun)
         pool.copies_pending = copy_stream is not None  # from here on, the generator's end joins
         with _on_stream(copy_stream), _undone_on_error(pool, pool.tables, named, None):
             if passes is not None and index == 0:
@@ -413,6 +420,15 @@ def _undone_on_error(
         if backup is not None:
             _roll_back(pool, tables, slots, backup)
         raise
+
+
+def wait_for_copies(pool: SlotPool) -> None:
+    """Make the current stream wait for what the pool's copy stream still runs, and leave the
+    copies pending: a reader (``stats``, ``resident``, maybe on a metrics thread) must see the
+    tables the copy stream writes, but the pool's next call still joins them on its own stream."""
+    copy_stream = pool.copy_stream() if pool.copies_pending else None
+    if copy_stream is not None:
+        torch.cuda.current_stream(pool.device).wait_stream(copy_stream)
 
 
 def join_copies(pool: SlotPool) -> None:

@@ -44,6 +44,7 @@ from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
 from expertcache.validation import (
     MAX_SLOTS,
+    check_expert_map,
     check_flag,
     check_int,
     check_mode_device,
@@ -186,7 +187,8 @@ class SlotPool:
         Args:
             name: any hashable, unique in this pool.
             store: the layer's experts (the pool's layout).
-            global_to_local: ``[E_global]`` int32 CPU map, global id -> local expert or -1.
+            global_to_local: ``[E_global]`` int32/int64 map, global id -> local expert or -1,
+                every local expert exactly once (`expertcache.validation.check_expert_map`).
         """
         if not isinstance(store, CPUBackingStore):
             raise TypeError(f"store must be a CPUBackingStore, got {type(store).__name__}")
@@ -194,6 +196,13 @@ class SlotPool:
             raise TypeError(f"global_to_local must be a tensor, got {type(global_to_local).__name__}")
         if self._started:
             raise RuntimeError("attach every layer to a slot pool before its first prepare()")
+        try:
+            hash(name)
+        except TypeError:
+            raise TypeError(
+                f"a layer name must be hashable (a dict key), got {type(name).__name__} {name!r:.40}"
+            ) from None
+        global_to_local = check_expert_map(global_to_local, store.num_experts, name="global_to_local")
         if name in self.layers:
             raise ValueError(f"layer {name!r} is already attached to this slot pool")
         layer_share(self.num_slots, len(self.layers) + 1)  # raises: more layers than slots
@@ -387,7 +396,9 @@ class SlotPool:
                 f"prefetch needs a pool of one layer; this one serves {len(self.layers)}, and a prefetch "
                 "could overwrite slots another layer's kernels are still reading"
             )
-        if isinstance(expert_ids, torch.Tensor) and is_dense(expert_ids) and expert_ids.dim() == 1:
+        if isinstance(expert_ids, torch.Tensor) and is_dense(expert_ids):
+            if expert_ids.dim() not in (1, 2):
+                raise ValueError(f"expert_ids must be 1-D [N] or 2-D [T, K] ids, got shape {tuple(expert_ids.shape)}")
             expert_ids = expert_ids.reshape(1, -1)
         check_topk_ids(expert_ids, self.device, name="expert_ids")
         if expert_ids.numel() > self.num_slots:
@@ -425,9 +436,10 @@ class SlotPool:
     # -- read-only views (they read the device tables: call them outside CUDA graphs) -------
 
     def _settled(self) -> SlotTables:
-        """The tables, once the current stream has joined copies still pending on the copy
-        stream (a prefetch's admission writes them there)."""
-        device_prepare.join_copies(self)
+        """The tables, once the current stream has waited for copies still pending on the
+        copy stream (a prefetch's admission writes them there). They stay pending: the pool's
+        next call joins them on its own stream, whichever thread read the view."""
+        device_prepare.wait_for_copies(self)
         return self.tables
 
     def stats(self, layer: PoolLayer) -> CacheStats:

@@ -145,30 +145,31 @@ def check_ids_in_range(topk_ids: torch.Tensor, num_ids: int, *, name: str = "top
         raise IndexError(f"expert id {low if low < 0 else high} in {name} is outside [0, {num_ids})")
 
 
-def check_expert_map(expert_map: object, num_local_experts: int) -> torch.Tensor:
+def check_expert_map(expert_map: object, num_local_experts: int, *, name: str = "expert_map") -> torch.Tensor:
     """Validate an EP ``expert_map`` (``[E_global]``: local index, or -1) against the weights.
 
-    Every local index ``0 .. num_local_experts-1`` must appear exactly once.
+    Every local index ``0 .. num_local_experts-1`` must appear exactly once. ``name``: the
+    argument's name in the errors (``global_to_local`` for `SlotPool.attach`).
 
     Returns:
         The map as a CPU int32 tensor.
     """
     if not isinstance(expert_map, torch.Tensor):
-        raise TypeError(f"expert_map must be a tensor, got {type(expert_map).__name__}")
+        raise TypeError(f"{name} must be a tensor, got {type(expert_map).__name__}")
     if not is_dense(expert_map):
-        raise TypeError(f"expert_map must be a dense (strided) tensor, got layout {expert_map.layout}")
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {expert_map.layout}")
     if expert_map.dtype not in INDEX_DTYPES:
-        raise TypeError(f"expert_map must be int32 or int64, got {expert_map.dtype}")
+        raise TypeError(f"{name} must be int32 or int64, got {expert_map.dtype}")
     if expert_map.dim() != 1:
-        raise ValueError(f"expert_map must be 1-D [E_global], got shape {tuple(expert_map.shape)}")
+        raise ValueError(f"{name} must be 1-D [E_global], got shape {tuple(expert_map.shape)}")
     values = expert_map.detach().to("cpu", torch.int64)
     if bool((values < -1).any()):
-        raise ValueError("expert_map entries must be a local expert index or -1")
+        raise ValueError(f"{name} entries must be a local expert index or -1")
     local = values[values >= 0]
     expected = torch.arange(num_local_experts)
     if local.numel() != num_local_experts or not torch.equal(local.sort().values, expected):
         raise ValueError(
-            f"expert_map's local indices must be 0..{num_local_experts - 1}, each exactly once, "
+            f"{name}'s local indices must be 0..{num_local_experts - 1}, each exactly once, "
             f"to match the {num_local_experts} experts in weights; got {local.tolist()[:16]}"
             + (" ..." if local.numel() > 16 else "")
         )
