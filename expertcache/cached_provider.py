@@ -229,7 +229,8 @@ class CachedWeightProvider(ExpertWeightProvider):
             sum over passes is the layer's output. Resident experts are used in pass 0
             before anything is copied; every expert is loaded at most once per call. Run
             the kernel on each result before taking the next: the next pass may overwrite
-            its slots. Device mode yields `expertcache.passes.max_passes` results whatever
+            its slots. Leave ``topk_ids`` unchanged until the last pass is taken: each pass
+            reads them. Device mode yields `expertcache.passes.max_passes` results whatever
             the routing (no sync: a CUDA graph captures them), the unneeded ones all -1, and
             one more when the first pass is split (hits, then misses). Closing the
             iterator early ends the call at once (`SlotPool.passes`).
