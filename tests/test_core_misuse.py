@@ -119,12 +119,13 @@ def _store(weights):
 )
 def test_attach_refuses_a_bad_global_to_local_map_and_changes_nothing(mode, mapping, error, message):
     weights = random_weights(E, HIDDEN, INTER, generator=torch.Generator().manual_seed(5))
-    pool = SlotPool.for_weights(weights, 4, device="cpu", mode=mode)
+    device = "cuda" if mode == "device" and torch.cuda.is_available() else "cpu"  # else interpreted
+    pool = SlotPool.for_weights(weights, 4, device=device, mode=mode)
     with pytest.raises(error, match=message):
         pool.attach("a", _store(weights), mapping)
     assert not pool.layers
     layer = pool.attach("a", _store(weights), torch.arange(E, dtype=torch.int32))  # the pool serves on
-    assert pool.prepare(layer, torch.tensor([[0, 7]])).tolist() == [[0, 1]]
+    assert pool.prepare(layer, torch.tensor([[0, 7]], device=device)).tolist() == [[0, 1]]
 
 
 def test_a_layer_name_that_is_no_dict_key_is_refused_by_name():
