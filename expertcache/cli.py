@@ -89,10 +89,11 @@ class CommandLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
 
 
-def add_cache_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+def add_cache_arguments(parser: argparse.ArgumentParser, *, size_required: bool = False) -> argparse._ArgumentGroup:
     """Add the expert-cache flags to an engine's parser, in their own group.
 
-    ``--moe-expert-cache-size N`` (GPU slots per MoE layer; absent: no cache),
+    ``--moe-expert-cache-size N`` (GPU slots per MoE layer; absent: no cache, unless
+    ``size_required``: a command that only runs with a cache, whose help says so),
     ``--moe-expert-cache-policy`` (eviction policy; simulation-only ones are not offered),
     ``--moe-expert-cache-budget`` (``per-layer`` or ``global``), ``--moe-expert-cache-mode``
     (``host`` or ``device``), ``--moe-expert-cache-device`` (where the slots live; default:
@@ -108,7 +109,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         default=None,
         metavar="N",
         help="GPU slots per MoE layer (between the router's top-k and the experts per layer); "
-        "omit to keep every expert on the GPU",
+        + ("required" if size_required else "omit to keep every expert on the GPU"),
     )
     group.add_argument(
         "--moe-expert-cache-policy",

@@ -160,3 +160,20 @@ def test_generate_graphs_refuse_the_eager_experts_loop(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--experts-implementation eager" in err and "Traceback" not in err
+
+
+def test_generate_help_says_the_cache_size_is_required(capsys):
+    """It said "omit to keep every expert on the GPU", which generate refuses; an engine's
+    parser (no cache without the flag) still says so."""
+    import argparse
+
+    from expertcache.cli import add_cache_arguments
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "experts per layer); required" in text and "omit to keep every expert" not in text
+    engine = argparse.ArgumentParser()
+    add_cache_arguments(engine)
+    assert "omit to keep every expert on the GPU" in " ".join(engine.format_help().split())

@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE.npz",
         help="write the recorded routing trace to exactly this file (an .npz archive)",
     )
-    add_cache_arguments(parser)
+    add_cache_arguments(parser, size_required=True)
     parser.set_defaults(func=lambda args: run(args, parser))
 
 
