@@ -102,8 +102,8 @@ def test_a_thread_refused_at_an_overlapped_call_changes_nothing(monkeypatch, dev
     assert same_bytes(slot_bytes(provider.pool), slot_bytes(alone.pool))
 
 
-def _store(weights):
-    return CPUBackingStore(layout_from_weights(weights)[1], weights, pin=False)
+def _store(weights, pin=False):
+    return CPUBackingStore(layout_from_weights(weights)[1], weights, pin=pin)
 
 
 @pytest.mark.parametrize("mode", ["host", "device"])
@@ -121,10 +121,11 @@ def test_attach_refuses_a_bad_global_to_local_map_and_changes_nothing(mode, mapp
     weights = random_weights(E, HIDDEN, INTER, generator=torch.Generator().manual_seed(5))
     device = "cuda" if mode == "device" and torch.cuda.is_available() else "cpu"  # else interpreted
     pool = SlotPool.for_weights(weights, 4, device=device, mode=mode)
+    pin = device == "cuda"  # a GPU pool serves pinned stores only
     with pytest.raises(error, match=message):
-        pool.attach("a", _store(weights), mapping)
+        pool.attach("a", _store(weights, pin), mapping)
     assert not pool.layers
-    layer = pool.attach("a", _store(weights), torch.arange(E, dtype=torch.int32))  # the pool serves on
+    layer = pool.attach("a", _store(weights, pin), torch.arange(E, dtype=torch.int32))  # the pool serves on
     assert pool.prepare(layer, torch.tensor([[0, 7]], device=device)).tolist() == [[0, 1]]
 
 
