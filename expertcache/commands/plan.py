@@ -257,7 +257,8 @@ def format_table(result: Plan, policies: list[str]) -> str:
     for scope, slots in keys:
         cells = {name: result.row(scope, slots, name) for name in (*policies, "belady", "unbounded")}
         best = max((cells[name] for name in policies), key=lambda row: row.hit_rate)
-        marker = "*" if slots in (result.layer_cache_size, result.global_slots) else " "
+        budget = result.layer_cache_size if scope == "layer" else result.global_slots
+        marker = "*" if slots == budget else " "
         lines.append(
             f"{scope:<7}{slots:>6}{best.fraction * 100:>5.0f}{marker}"
             + "".join(f"{cells[name].hit_rate * 100:>12.1f}" for name in policies)

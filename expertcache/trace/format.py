@@ -219,7 +219,8 @@ def _read_meta(path: Path, array: np.ndarray) -> dict:
         raise TraceFileError(path, f"member 'meta' is not JSON ({error})") from None
     if not isinstance(meta, dict):
         raise TraceFileError(path, f"member 'meta' must be a JSON object, got {type(meta).__name__}")
-    if meta.get("format_version") != FORMAT_VERSION:
+    version = meta.get("format_version")
+    if type(version) is not int or version != FORMAT_VERSION:  # not true or 1.0, which equal 1
         raise TraceFileError(
             path, f"unsupported trace format {meta.get('format_version')!r} (expected {FORMAT_VERSION})"
         )

@@ -171,11 +171,29 @@ def _load_folder(folder: Path, files: list[Path], num_experts: int | None) -> Ro
     traces = [load_trace(file, num_experts=num_experts) for file in files]
     if len(traces) == 1:
         return traces[0]
+    _refuse_other_models(folder, files, traces)
     names = ", ".join(file.name for file in files)
     try:
         return concatenate(traces, notes=f"{len(traces)} files concatenated ({names}).")
     except ValueError as error:
         raise TraceFileError(folder, str(error)) from None
+
+
+def _refuse_other_models(folder: Path, files: list[Path], traces: list[RoutingTrace]) -> None:
+    """Raise unless the traces are of one model: the same model name where they state one,
+    and, for saved ``.npz`` traces (which always state it), the same experts per layer.
+
+    A JSON-lines trace that does not state its experts counts to its largest id, so those
+    counts may differ between the windows of one model (the largest is taken).
+    """
+    named = {file.name: trace.model for file, trace in zip(files, traces, strict=True) if trace.model}
+    if len(set(named.values())) > 1:
+        listing = ", ".join(f"{name} ({model!r:.40})" for name, model in named.items())
+        raise TraceFileError(folder, f"holds the traces of different models; load one file: {listing}")
+    stated = {file.name: trace.num_experts for file, trace in zip(files, traces, strict=True) if file.suffix == ".npz"}
+    if len(set(stated.values())) > 1:
+        listing = ", ".join(f"{name} ({count})" for name, count in stated.items())
+        raise TraceFileError(folder, f"holds traces of different experts per layer; load one file: {listing}")
 
 
 def _known() -> str:
