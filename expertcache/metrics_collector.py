@@ -5,9 +5,9 @@ Nothing is counted in the hot path: on every scrape the collector reads each tra
 provider's `CacheStats` (or the values frozen by `CacheCollector.paused`, around CUDA graph
 capture) and yields one counter family per field in `_COUNTERS`, labelled by layer, plus
 the prepare-time histogram of providers wrapped in `expertcache.timed_provider.TimedProvider`.
-A provider whose ``stats`` raises (or stops being a `CacheStats`) during a scrape is left out
-of that scrape, logged and counted in ``<namespace>_stats_read_errors``; the other layers are
-served as ever.
+A provider whose ``stats`` raises (or stops being a `CacheStats` of non-negative integer
+counts) during a scrape is left out of that scrape, logged and counted in
+``<namespace>_stats_read_errors``; the other layers are served as ever.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Protocol
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from expertcache.stats import CacheStats
+from expertcache.stats import CacheStats, checked_counts
 from expertcache.timed_provider import TimedProvider
 
 _LOG = logging.getLogger(__name__)
@@ -42,6 +42,8 @@ _COUNTERS = (
     ),
     ("prepare_calls", "calls", "prepare() calls that completed."),
 )
+
+_Timing = tuple[list[tuple[str, int]], float]  # `TimedProvider.prepare_seconds`: buckets, sum
 
 
 class HasStats(Protocol):
@@ -66,7 +68,7 @@ class CacheCollector(Collector):
             )
         self.namespace = namespace
         self._providers: dict[str, HasStats] = {}
-        self._frozen: dict[str, CacheStats] | None = None
+        self._frozen: tuple[dict[str, CacheStats], dict[str, _Timing]] | None = None
         self._pause_depth = 0
         self._read_errors: dict[str, int] = {}  # per layer: scrapes its stats failed
         self._lock = threading.Lock()  # a read in flight ends before paused() returns
@@ -101,8 +103,9 @@ class CacheCollector(Collector):
         device-to-host copy; not while a CUDA graph is captured).
 
         Raises:
-            TypeError: ``provider``'s ``stats`` is missing or not a `CacheStats` (every later
-                scrape would leave it out). ValueError: ``layer`` is empty or already tracked.
+            TypeError: ``provider``'s ``stats`` is missing, not a `CacheStats`, or holds a
+                counter that is not an integer (every later scrape would leave it out).
+                ValueError: a negative counter, or ``layer`` empty or already tracked.
         """
         self._add_checked({self._check_label(layer, provider): provider})
 
@@ -133,11 +136,12 @@ class CacheCollector(Collector):
         Wrap CUDA graph capture in it: a device-driven cache's ``stats`` reads device
         counters (a device-to-host copy), which a scrape thread must not issue while
         another thread captures under torch's default (global) capture mode. Pauses nest:
-        the values stay frozen until the outermost one exits.
+        the values stay frozen until the outermost one exits. The prepare-time histograms
+        freeze with the counters, so a scrape never counts more timed prepares than calls.
         """
         with self._lock:
             if self._pause_depth == 0:
-                self._frozen = self._read()
+                self._frozen = self._read(), _timings(self._providers)
             self._pause_depth += 1
         try:
             yield
@@ -155,6 +159,7 @@ class CacheCollector(Collector):
                 stats = provider.stats
                 if not isinstance(stats, CacheStats):
                     raise TypeError(f"stats became a {type(stats).__name__}, not a CacheStats")
+                stats = CacheStats(*checked_counts(stats))  # a str would fail the whole scrape
             except Exception:  # one layer's failure must not fail the whole scrape
                 _LOG.exception("expertcache metrics: reading the stats of layer %r failed; left out", layer)
                 self._read_errors[layer] = self._read_errors.get(layer, 0) + 1
@@ -169,10 +174,9 @@ class CacheCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            snapshot = self._frozen if self._frozen is not None else self._read()
-            providers = dict(self._providers)
+            snapshot, timings = self._frozen if self._frozen is not None else (self._read(), _timings(self._providers))
             errors = dict(self._read_errors)
-        return self._families(snapshot, providers, errors)
+        return self._families(snapshot, timings, errors)
 
     def describe(self) -> Iterator[Metric]:
         """The families `collect` yields, without values: what a registry checks for names
@@ -180,7 +184,7 @@ class CacheCollector(Collector):
         return self._families({}, {}, {})
 
     def _families(
-        self, snapshot: Mapping[str, CacheStats], providers: Mapping[str, HasStats], errors: Mapping[str, int]
+        self, snapshot: Mapping[str, CacheStats], timings: Mapping[str, _Timing], errors: Mapping[str, int]
     ) -> Iterator[Metric]:
         for name, field, documentation in _COUNTERS:
             family = CounterMetricFamily(f"{self.namespace}_{name}", documentation, labels=["layer"])
@@ -200,11 +204,18 @@ class CacheCollector(Collector):
             "Host wall time of prepare() (providers wrapped in TimedProvider).",
             labels=["layer"],
         )
-        for layer, provider in providers.items():
-            if isinstance(provider, TimedProvider):
-                buckets, total = provider.prepare_seconds()
-                timing.add_metric([layer], buckets, total)
+        for layer, (buckets, total) in timings.items():
+            timing.add_metric([layer], buckets, total)
         yield timing
+
+
+def _timings(providers: Mapping[str, HasStats]) -> dict[str, _Timing]:
+    """The prepare-time histogram of every provider wrapped in a `TimedProvider`."""
+    return {
+        layer: provider.prepare_seconds()
+        for layer, provider in providers.items()
+        if isinstance(provider, TimedProvider)
+    }
 
 
 def _check_provider(label: str, provider: object) -> None:
@@ -218,6 +229,12 @@ def _check_provider(label: str, provider: object) -> None:
         raise TypeError(f"provider for layer {label!r} has no stats to expose ({type(provider).__name__}): {expected}")
     stats = provider.stats  # type: ignore[attr-defined]
     if isinstance(stats, CacheStats):
+        try:
+            checked_counts(stats)
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                f"provider for layer {label!r} has a CacheStats whose counters are not counts: {error}"
+            ) from None
         return
     what = f"provider for layer {label!r} has stats of type {type(stats).__name__}, not a CacheStats"
     if hasattr(provider, "layers") and callable(getattr(provider, "provider", None)):  # an ExpertCacheHandle

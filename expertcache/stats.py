@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from expertcache.validation import check_int
+
+#: The largest count a counter may hold: what the int64 tensors of `gather_stats` carry.
+MAX_COUNT = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +56,17 @@ class CacheStats:
             self.overflows + other.overflows,
             self.compressed_bytes_h2d + other.compressed_bytes_h2d,
         )
+
+
+def checked_counts(stats: CacheStats) -> tuple[int, ...]:
+    """``stats``'s counters as Python ints in field order (numpy ints too), for what exposes
+    or exchanges them: the metrics collector and `expertcache.parallel.gather_stats`.
+
+    Raises:
+        TypeError: a counter is not an integer (a float, a str, None, a bool).
+        ValueError: a counter is negative or beyond int64 (`MAX_COUNT`).
+    """
+    return tuple(
+        check_int(field.name, getattr(stats, field.name), minimum=0, maximum=MAX_COUNT, expected="an int count >= 0")
+        for field in fields(CacheStats)
+    )

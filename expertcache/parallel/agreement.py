@@ -12,10 +12,13 @@ step's largest token count; each rank contributes::
     K, -K         -> the largest and smallest top-k over the ranks: they must be equal
     H, -H         -> likewise the hidden size
     D, -D         -> likewise hidden's dtype (its index in `COMPUTE_DTYPES`)
+    E, -E         -> likewise the partition's expert count  } the layer, not the call: ranks
+    S, -S         -> likewise its scheme (index in SCHEMES) } that place experts apart would
+                     compute another rank's ids, or read an id as out of range on one rank only
 
-A refused rank contributes `_NEUTRAL` to the shape fields, so it never makes the others
-report a mismatch of its making. The bad-id flag is computed on the device (no sync of its
-own): the one host read is the reduced vector's, as before.
+A refused rank contributes `_NEUTRAL` to the call's shape fields, so it never makes the
+others report a mismatch of its making. The bad-id flag is computed on the device (no sync
+of its own): the one host read is the reduced vector's, as before.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from expertcache.parallel.inputs import COMPUTE_DTYPES
+from expertcache.parallel.partition import SCHEMES, ExpertPartition
 
 _NEUTRAL = -(2**62)  # loses every MAX against a real figure or its negation
 
@@ -56,7 +60,7 @@ def agree_on_call(
     shape: CallShape | None,
     topk_ids: torch.Tensor | None,
     *,
-    num_experts: int,
+    partition: ExpertPartition,
     rank: int,
     world_size: int,
     device: torch.device,
@@ -68,22 +72,24 @@ def agree_on_call(
         refusal: the error this rank's own checks raised, or None (then ``shape`` and
             ``topk_ids`` describe the accepted call).
         topk_ids: ``[T_r, K]`` int32/int64 ids on ``device``, range-checked here.
-        num_experts: ``E`` of the layer.
+        partition: this rank's placement of the layer's ``E`` experts (ranks must agree).
 
     Returns:
         ``T_max``, the largest token count over the ranks.
 
     Raises:
         ``refusal`` on the rank that refused; ValueError on every other rank when any rank
-        refused or the ranks disagree on K, H or hidden's dtype; IndexError on every rank
-        when any rank's ids fall outside ``[-1, E)``.
+        refused or the ranks disagree on the partition (E, scheme), K, H or hidden's dtype;
+        IndexError on every rank when any rank's ids fall outside ``[-1, E)``.
     """
-    header = torch.zeros(2 * world_size + 7, dtype=torch.int64)
+    num_experts, scheme = partition.num_experts, SCHEMES.index(partition.scheme)
+    header = torch.zeros(2 * world_size + 11, dtype=torch.int64)
     if shape is None or refusal is not None:
         header[rank] = 1
-        header[2 * world_size :] = _NEUTRAL
+        header[2 * world_size : -4] = _NEUTRAL
     else:
-        header[2 * world_size :] = torch.tensor(shape.fields())
+        header[2 * world_size : -4] = torch.tensor(shape.fields())
+    header[-4:] = torch.tensor([num_experts, -num_experts, scheme, -scheme])
     header = header.to(device)
     if topk_ids is not None and refusal is None and topk_ids.numel():
         header[world_size + rank] = ((topk_ids < -1) | (topk_ids >= num_experts)).any().to(torch.int64)
@@ -99,7 +105,17 @@ def _raise_on_disagreement(values: list[int], world_size: int, num_experts: int)
     refused = [r for r in range(world_size) if values[r]]
     if refused:
         raise ValueError(f"rank(s) {refused} refused their inputs to this layer call (see their error); nothing ran")
-    _, k_max, k_min, h_max, h_min, d_max, d_min = values[2 * world_size :]
+    _, k_max, k_min, h_max, h_min, d_max, d_min, e_max, e_min, s_max, s_min = values[2 * world_size :]
+    if e_max != -e_min:
+        raise ValueError(
+            f"ranks disagree on the expert partition: num_experts from {-e_min} to {e_max}; "
+            f"every rank's layer needs the same ExpertPartition"
+        )
+    if s_max != -s_min:
+        raise ValueError(
+            f"ranks disagree on the expert partition: scheme {SCHEMES[-s_min]!r} and {SCHEMES[s_max]!r}; "
+            f"every rank's layer needs the same ExpertPartition"
+        )
     if k_max != -k_min:
         raise ValueError(f"ranks disagree on top-k: K from {-k_min} to {k_max}; every rank's topk_ids need one K")
     if h_max != -h_min:

@@ -90,6 +90,15 @@ def check_hidden(hidden: object, *, tokens: int, hidden_size: int, dtype: torch.
         raise ValueError(f"hidden is on {hidden.device}, but the expert weights are on {device}")
 
 
+def check_top_k(topk_ids: torch.Tensor) -> None:
+    """``topk_ids`` (checked ``[T, K]``) holds at least one choice per token: the k-order sum
+    of the reference has no K = 0 (it would fail after the cache had counted the call)."""
+    if topk_ids.shape[1] == 0:
+        raise ValueError(
+            f"topk_ids must hold at least one choice per token (K >= 1), got shape {tuple(topk_ids.shape)}"
+        )
+
+
 def check_router_weights(topk_weights: object, topk_ids: torch.Tensor, hidden: torch.Tensor) -> None:
     """``topk_weights`` is ``[T, K]`` like ``topk_ids``, in ``hidden``'s dtype or float32 (what
     routers emit), on ``hidden``'s device."""

@@ -24,11 +24,12 @@ bytes of a reduce); for decode batches that is a few hundred KB.
 
 Bad input changes nothing on any rank: each rank checks its own inputs (types, shapes,
 dtypes, devices) before any collective, and the first all-reduce carries every rank's
-verdict, its ids' range check and the figures the gathers need equal on all ranks (K, H,
-hidden's dtype; `expertcache.parallel.agreement`), so every rank raises a Python error, none
-waits forever and gloo never aborts on blocks of different sizes. A failure after the cache
-has served the call (a collective that breaks, memory running out) leaves what the cache
-committed: each of the provider's passes is atomic, the call as a whole is not.
+verdict, its ids' range check and the figures that must be equal on all ranks (the
+partition's expert count and scheme, K, H, hidden's dtype; `expertcache.parallel.agreement`),
+so every rank raises a Python error, none waits forever and gloo never aborts on blocks of
+different sizes. A failure after the cache has served the call (a collective that breaks,
+memory running out) leaves what the cache committed: each of the provider's passes is
+atomic, the call as a whole is not.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch.distributed as dist
 
 from expertcache.parallel.agreement import CallShape, agree_on_call
 from expertcache.parallel.collectives import PendingWork, exchange_rows, gather_rows, rank_and_size
-from expertcache.parallel.inputs import check_router_weights
+from expertcache.parallel.inputs import check_router_weights, check_top_k
 from expertcache.parallel.local import LocalExperts
 from expertcache.parallel.pacing import DEFAULT_CHUNK_BYTES, CopyPacer
 from expertcache.reference import combine_expert_outputs
@@ -120,8 +121,9 @@ class ExpertParallelMoE:
             these rows of all ranks' tokens concatenated in rank order.
 
         Raises:
-            TypeError / ValueError: this rank's inputs do not fit (its own error), another
-                rank's do not (ValueError naming it), or the ranks disagree on ``K``, ``H`` or
+            TypeError / ValueError: this rank's inputs do not fit (its own error; ``K`` = 0
+                among them), another rank's do not (ValueError naming it), or the ranks
+                disagree on the expert partition (``num_experts``, scheme), ``K``, ``H`` or
                 hidden's dtype. IndexError: an id outside ``[-1, E)`` on any rank. Every rank
                 raises, after one all-reduce and before the cache or any data moves.
         """
@@ -151,13 +153,14 @@ class ExpertParallelMoE:
         refusal = None
         try:
             self.local.check_call(hidden, topk_ids)
+            check_top_k(topk_ids)
             check_router_weights(topk_weights, topk_ids, hidden)
         except (TypeError, ValueError) as error:
             refusal = error  # raised after the all-reduce, so that no other rank waits for this one
         shape = None if refusal else CallShape(topk_ids.shape[0], topk_ids.shape[1], hidden.shape[1], hidden.dtype)
         return agree_on_call(
             refusal, shape, None if refusal else topk_ids,
-            num_experts=self.local.partition.num_experts, rank=self.rank, world_size=self.world_size,
+            partition=self.local.partition, rank=self.rank, world_size=self.world_size,
             device=self.local.device, group=self.group,
         )  # fmt: skip
 

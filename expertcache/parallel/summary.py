@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from expertcache.parallel.collectives import gather_rows
 from expertcache.parallel.layer import ExpertParallelMoE
-from expertcache.stats import CacheStats
+from expertcache.stats import CacheStats, checked_counts
 from expertcache.validation import resolve_device
 
 _FIELDS = tuple(field.name for field in dataclasses.fields(CacheStats))
@@ -54,7 +54,8 @@ def gather_stats(
         group: the process group (None: the world).
 
     Raises:
-        TypeError: ``stats`` is not a `CacheStats`. ValueError: ``device`` is not the CPU
+        TypeError: ``stats`` is not a `CacheStats`, or a counter of it is not an integer.
+            ValueError: a counter is negative or beyond int64, or ``device`` is not the CPU
             or a CUDA device of this machine. A rank that refuses its arguments still
             joins the gather (on its backend's device), flagged; it raises its own error
             and every other rank a ValueError naming it, so no rank is left waiting.
@@ -63,12 +64,12 @@ def gather_stats(
     try:
         if not isinstance(stats, CacheStats):
             raise TypeError(f"stats must be a CacheStats (e.g. layer.stats), got {type(stats).__name__}")
+        counters = list(checked_counts(stats))  # int64 counts: 1.5 is not truncated to 1
         target = resolve_device(device)
     except (TypeError, ValueError) as error:
         if not dist.is_initialized():
             raise  # no group to tell
-        refusal, target = error, _backend_device(group)
-    counters = [0] * len(_FIELDS) if refusal is not None else [getattr(stats, name) for name in _FIELDS]
+        refusal, target, counters = error, _backend_device(group), [0] * len(_FIELDS)
     row = torch.tensor([[int(refusal is not None), *counters]], dtype=torch.int64)
     gathered, _ = gather_rows(row.to(target), 1, fill=0, group=group)
     rows = gathered.cpu().tolist()
