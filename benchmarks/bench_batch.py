@@ -212,6 +212,7 @@ class Variant:
     bytes_per_step: int | None = None  # fixed copies (streaming); None: read the cache's stats
     num_slots: int | None = None  # slots one layer's call may use (caches: the pool's share)
     right: int | None = None  # prefetch: true ids among the K guesses an oracle makes per token
+    lookahead: int = 1  # prefetch: how many layers on each router's guesses go (``DecodeStack``'s)
     copies_only: bool = False  # the floor: the step without its expert compute (admissions and copies kept)
     overlap: bool = True  # False: the stack asks for passes one after the other (``--serial``)
     landing: bool = True  # False: the apply waits for a pass's whole copy, not each expert (``--unlanded``)
@@ -275,9 +276,14 @@ def drain_passes(hidden: torch.Tensor, results, topk_weights: torch.Tensor) -> t
     return torch.zeros_like(hidden)
 
 
-def prefetching(bench: Bench, fraction: float, right: int) -> Variant:
+def prefetch_name(top_k: int, right: int, lookahead: int) -> str:
+    return f"device prefetch {right}/{top_k}{f' ahead {lookahead}' if lookahead > 1 else ''}"
+
+
+def prefetching(bench: Bench, fraction: float, right: int, lookahead: int = 1) -> Variant:
     variant = cached(bench, fraction, "device", False)
-    return dataclasses.replace(variant, name=f"device prefetch {right}/{bench.shape['top_k']}", right=right)
+    name = prefetch_name(bench.shape["top_k"], right, lookahead)
+    return dataclasses.replace(variant, name=name, right=right, lookahead=lookahead)
 
 
 def oracle_guesses(routing: torch.Tensor, right: int, num_experts: int) -> torch.Tensor:
@@ -300,6 +306,7 @@ def variant_builders(
     serial_at: list[float],
     unlanded_at: list[float] = (),  # type: ignore[assignment]
     landed_whole_at: list[float] = (),  # type: ignore[assignment]
+    lookaheads: list[int] = (1,),  # type: ignore[assignment]
 ) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
@@ -322,8 +329,9 @@ def variant_builders(
             builders.append((label, functools.partial(landed_whole, bench, fraction)))
         if fraction in prefetch:
             for right in sorted({bench.shape["top_k"], 3 * bench.shape["top_k"] // 4}, reverse=True):
-                label = f"device prefetch {right}/{bench.shape['top_k']} {fraction:.0%}"
-                builders.append((label, functools.partial(prefetching, bench, fraction, right)))
+                for ahead in lookaheads:
+                    label = f"{prefetch_name(bench.shape['top_k'], right, ahead)} {fraction:.0%}"
+                    builders.append((label, functools.partial(prefetching, bench, fraction, right, ahead)))
     return builders
 
 
@@ -340,6 +348,8 @@ def make_stack(bench: Bench, variant: Variant) -> DecodeStack:
         options["overlap"] = False
     if not variant.landing and not variant.copies_only:
         options["landing"] = False
+    if variant.lookahead != 1:
+        options["lookahead"] = variant.lookahead
     shape = bench.shape
     return DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=bench.device,
                        **options)  # fmt: skip
@@ -554,7 +564,7 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
     save(new)
     providers.clear()
     builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor, args.serial,
-                                args.unlanded, args.landed_whole)  # fmt: skip
+                                args.unlanded, args.landed_whole, args.lookahead)  # fmt: skip
     if args.only:
         builders = [(label, build) for label, build in builders if any(part in label for part in args.only)]
         if not builders:
@@ -777,6 +787,9 @@ def parse_args() -> argparse.Namespace:
                              "temporary folder)")  # fmt: skip
     parser.add_argument("--prefetch", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode with oracle prefetches at these fractions (none given: none)")  # fmt: skip
+    parser.add_argument("--lookahead", type=int, nargs="+", default=[1], metavar="D",
+                        help="the oracle prefetches go this many layers ahead: each router guesses layer l + D "
+                             "(one row per D; default 1)")  # fmt: skip
     parser.add_argument("--coded", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode over exponent-coded stores at these fractions (prefill: any adds it; "
                              "none given: no coded variant)")  # fmt: skip
@@ -837,6 +850,10 @@ def parse_args() -> argparse.Namespace:
 
     if args.prefill and args.prefetch != parser.get_default("prefetch"):
         parser.error("--prefetch runs in decode mode only (a prefill forward has no next token to guess for)")
+    if min(args.lookahead) < 1:
+        parser.error(f"--lookahead takes layers ahead of at least 1, got {min(args.lookahead)}")
+    if args.lookahead != parser.get_default("lookahead") and (args.prefill or not args.prefetch):
+        parser.error("--lookahead sets how far the oracle prefetches go: it needs --prefetch, in decode mode")
     if not args.prefill:  # a decode run serves these only at its own fractions
         for flag in ("coded", "prefetch", "floor", "serial", "unlanded", "landed_whole"):
             extra = sorted(set(getattr(args, flag)) - set(args.fractions))

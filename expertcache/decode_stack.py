@@ -14,10 +14,11 @@ that cannot hold the whole layer, the first pass comes as two: its hits, compute
 misses are copied on a side stream, then its misses. The apply sums passes exactly, so the
 output is the same bits.
 
-``step(h, routing, prefetch)`` also hands each layer's predicted experts to the next
-layer's cache as soon as this layer's router has run (``providers[l + 1].prefetch``, device
-mode): their copies overlap this layer's work. Any predictor fits; the benchmarks use the
-trace itself (an oracle) to measure what a good one could win.
+``step(h, routing, prefetch)`` also hands each layer's predicted experts to the cache
+``lookahead`` layers on as soon as this layer's router has run (``providers[l + d].prefetch``,
+device mode; the first router also hands layers 1 .. d their rows): their copies overlap the
+work of the layers between. Any predictor fits; the benchmarks use the trace itself (an
+oracle) to measure what a good one could win.
 
 Routing ids are an input (replayed from a trace, or any router's top-k), so a captured
 graph replays with fresh routing every step. With device-mode providers the captured step
@@ -70,6 +71,9 @@ class DecodeStack:
             apply starts on each expert as it lands: only for an ``apply`` that waits on
             them (`expertcache.kernels.landing`). Default (None): on for `moe_apply_passes`
             (and a ``functools.partial`` of it) when ``overlap`` is, off otherwise.
+        lookahead: ``d``, an integer of at least 1: how many layers on a router hands its
+            step's predictions (``step``'s ``prefetch``): layer ``l``'s router starts layer
+            ``l + d``'s prefetch, so ``d`` layers' copies may share the link at once.
     """
 
     def __init__(
@@ -84,11 +88,13 @@ class DecodeStack:
         apply: ExpertApply = moe_apply_passes,
         overlap: bool | None = None,
         landing: bool | None = None,
+        lookahead: int = 1,
     ) -> None:
         providers = list(providers)
         hidden_size = check_int("hidden_size", hidden_size, minimum=1)
         num_experts = check_int("num_experts", num_experts, minimum=1)
         seed = check_int("seed", seed)
+        self.lookahead = check_int("lookahead", lookahead, minimum=1)
         if not callable(apply):
             raise TypeError(f"apply must be an expert apply over passes (e.g. moe_apply_passes), got {apply!r:.40}")
         _check_router_width(providers, num_experts)
@@ -132,10 +138,11 @@ class DecodeStack:
         Args:
             hidden: ``[T, H]`` activations.
             routing: ``[L, T, K]`` int expert ids per layer.
-            prefetch: optional ``[L, T, P]`` predicted ids per layer: row ``l + 1`` goes to
-                ``providers[l + 1].prefetch`` once layer ``l``'s router has run (row 0 is
-                unused: nothing runs before the first layer); ``T * P`` at most each cache's
-                slots, and layers 1 .. L-1 device-mode caches (checked before any layer runs).
+            prefetch: optional ``[L, T, P]`` predicted ids per layer: row ``l + d`` goes to
+                ``providers[l + d].prefetch`` once layer ``l``'s router has run, rows 1 .. d
+                once layer 0's has (``d`` the stack's ``lookahead``; row 0 is unused: nothing
+                runs before the first layer); ``T * P`` at most each cache's slots, and layers
+                1 .. L-1 device-mode caches (checked before any layer runs).
 
         Returns:
             ``[T, H]`` activations after the last layer.
@@ -154,8 +161,9 @@ class DecodeStack:
             ids = routing[layer]
             logits = (h @ self.router[layer]).float()
             weights = torch.softmax(logits.gather(1, ids.long()), dim=-1)
-            if prefetch is not None and layer + 1 < self.num_layers:  # device-mode caches (checked above)
-                cast("CachedWeightProvider", self.providers[layer + 1]).prefetch(prefetch[layer + 1])
+            if prefetch is not None:  # device-mode caches (checked above)
+                for ahead in self._prefetched_at(layer):
+                    cast("CachedWeightProvider", self.providers[ahead]).prefetch(prefetch[ahead])
             overlap = self.overlap and ids.numel() <= OVERLAP_MAX_IDS
             if not overlap:
                 results = provider.passes(ids)
@@ -165,6 +173,12 @@ class DecodeStack:
                 results = provider.passes(ids, overlap=True)
             h = h + self.apply(h, results, weights)
         return h
+
+    def _prefetched_at(self, layer: int) -> range:
+        """The layers whose predictions layer ``layer``'s router hands on: ``layer + d``, and
+        at the first router every layer up to ``d`` (``d`` the ``lookahead``)."""
+        ahead = layer + self.lookahead
+        return range(1 if layer == 0 else ahead, min(ahead, self.num_layers - 1) + 1)
 
     def _check_step(self, hidden: torch.Tensor, routing: torch.Tensor) -> None:
         """Before any layer runs: ``hidden`` ``[T, H]``, ``routing`` ``[L, T, K]`` int ids in ``[0, E)``."""

@@ -58,22 +58,26 @@ def random_topk(tokens: int, top_k: int, num_experts: int, *, generator: torch.G
     return scores.topk(top_k, dim=-1).indices
 
 
-def cached_and_full_stacks(gen: torch.Generator, *, tokens: int, cache_size: int, device: str = "cuda"):
-    """Two `DecodeStack` s of one function (3 layers of 16 experts, H=64, top-4, bf16): over
-    device-mode caches of ``cache_size`` slots and over resident weights.
+def cached_and_full_stacks(
+    gen: torch.Generator, *, tokens: int, cache_size: int, device: str = "cuda", layers: int = 3, lookahead: int = 1
+):
+    """Two `DecodeStack` s of one function (``layers`` layers of 16 experts, H=64, top-4,
+    bf16): over device-mode caches of ``cache_size`` slots (prefetching ``lookahead`` layers
+    ahead) and over resident weights.
 
     Returns ``(cached providers, (cached stack, full stack), routing)``, where ``routing()``
-    draws a fresh ``[3, tokens, 4]`` step of ids on ``device``.
+    draws a fresh ``[layers, tokens, 4]`` step of ids on ``device``.
     """
     from expertcache import CachedWeightProvider, FullGPUProvider
     from expertcache.decode_stack import DecodeStack
 
-    num_experts, hidden_size, top_k, layers = 16, 64, 4, 3
+    num_experts, hidden_size, top_k = 16, 64, 4
     weights = [random_weights(num_experts, hidden_size, 32, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
     cached = [CachedWeightProvider(w, cache_size=cache_size, mode="device", device=device) for w in weights]
     full = [FullGPUProvider({n: t.to(device) for n, t in w.items()}) for w in weights]
-    stacks = tuple(
-        DecodeStack(p, hidden_size, num_experts, dtype=torch.bfloat16, device=device) for p in (cached, full)
+    stacks = (
+        DecodeStack(cached, hidden_size, num_experts, dtype=torch.bfloat16, device=device, lookahead=lookahead),
+        DecodeStack(full, hidden_size, num_experts, dtype=torch.bfloat16, device=device),
     )
 
     def routing() -> torch.Tensor:

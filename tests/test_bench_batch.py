@@ -30,6 +30,9 @@ from helpers import BENCHMARKS, bench_module, traces_env
         ("bench_batch", ["--chain", "yes"], "--chain: invalid choice"),
         ("bench_batch", ["--copy-priority", "low"], "--copy-priority: invalid choice"),
         ("bench_batch", ["--replot", "abc", "--ste", "3"], "--replot draws the CSV's rows"),  # abbreviated too
+        ("bench_batch", ["--lookahead", "1", "0"], "--lookahead takes layers ahead of at least 1, got 0"),
+        ("bench_batch", ["--lookahead", "2", "--prefetch"], "--lookahead sets how far the oracle prefetches go"),
+        ("bench_batch", ["--lookahead", "2", "--prefill", "16"], "--lookahead sets how far the oracle prefetches"),
         ("bench_copy_service", ["--misses", "0"], "--misses must lie in 1..64"),
         ("bench_copy_service", ["--misses", "65"], "--misses must lie in 1..64"),  # more than the slots
         ("bench_copy_service", ["--layers", "0"], "--layers and --repeats >= 1"),
@@ -180,6 +183,27 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path, batch):
         assert float(row["ratio_to_causal"]) == pytest.approx(float(row["ms_per_step"]) / causal, rel=1e-12)
     if batch == "8":  # 8 tokens may need more experts than a quarter of them: overlapped passes take half groups
         assert int(rows[("device", "8")]["max_passes"]) > int(rows[("device serial", "8")]["max_passes"]) > 1
+
+
+def test_oracle_prefetches_two_layers_ahead_copy_alike_and_serve_the_model(tmp_path):
+    """``--lookahead 1 2``: one row per depth; an oracle that guesses every id leaves each
+    layer after the first all hits at either depth, so the calls' hit rates and the bytes
+    copied (calls and prefetches) agree, and both outputs are the resident step's."""
+    flags = ["--dry-run", "--only", "prefetch 8/8", "--batch-sizes", "1", "--fractions", "0.25", "--prefetch",
+             "0.25", "--lookahead", "1", "2", "--coded", "--floor", "--layers", "3"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags],
+        capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    path = Path(re.search(r"^CSV: (.+)$", done.stdout, re.MULTILINE).group(1))
+    with path.open(newline="") as handle:
+        rows = {row["variant"]: row for row in csv.DictReader(handle)}
+    one, two = rows["device prefetch 8/8"], rows["device prefetch 8/8 ahead 2"]
+    for column in ("hit_rate", "mb_copied_per_step", "mb_prefetched_per_step"):
+        assert one[column] == two[column], column
+    assert float(one["mb_prefetched_per_step"]) > 0
+    assert float(one["rel_err"]) == 0.0 == float(two["rel_err"])
 
 
 def test_switch_copies_refuse_what_they_cannot_serve():

@@ -7,8 +7,10 @@
   the right guesses;
 * misuse (host mode, a shared pool, more ids than slots, bad ids) raises and changes
   nothing; a prefetch whose copy fails leaves the pool as before;
-* a CUDA graph of a decode step that prefetches replays equal to the eager step without
-  prefetches (GPU).
+* a stack hands each router's predictions ``lookahead`` layers on, each layer's before that
+  layer's call, and its output does not depend on them;
+* a CUDA graph of a decode step that prefetches (one and two layers ahead) replays equal to
+  the eager step without prefetches (GPU).
 """
 
 from __future__ import annotations
@@ -175,12 +177,43 @@ def test_a_prefetch_whose_copy_fails_leaves_the_pool_as_before(monkeypatch, devi
     assert_serves_reference(provider, weights, torch.tensor([[5, 0], [6, 1]], device=device), device, gen)
 
 
+@pytest.mark.parametrize("lookahead", [1, 2, 4])
+@pytest.mark.parametrize("device", devices())
+def test_a_stack_prefetches_lookahead_layers_on_before_their_calls(monkeypatch, device, lookahead):
+    gen = torch.Generator().manual_seed(7)
+    cached, stacks, routing = cached_and_full_stacks(
+        gen, tokens=1, cache_size=8, device=device, layers=4, lookahead=lookahead
+    )
+    events: list[tuple[str, int]] = []
+    for index, provider in enumerate(cached):
+        for method in ("prefetch", "passes"):
+            real = getattr(provider, method)
+            recorder = lambda *a, real=real, name=(method, index), **k: (events.append(name), real(*a, **k))[1]  # noqa: E731
+            monkeypatch.setattr(provider, method, recorder)
+    hidden = torch.randn(1, 64, generator=gen).to(device, torch.bfloat16)
+    step_routing = routing()
+    served = stacks[0].step(hidden, step_routing, step_routing)  # an oracle: every guess right
+    after = min(lookahead, 3)  # the first router hands layers 1 .. lookahead their rows
+    expected = [("prefetch", layer) for layer in range(1, after + 1)] + [("passes", 0)]
+    for layer in range(1, 4):
+        if layer + lookahead <= 3:
+            expected.append(("prefetch", layer + lookahead))
+        expected.append(("passes", layer))
+    assert events == expected
+    assert [p.prefetch_stats.calls for p in cached] == [0, 1, 1, 1]
+    assert [p.stats.hits for p in cached[1:]] == [4, 4, 4]  # every call found its guesses resident
+    assert torch.equal(served, stacks[1].step(hidden, step_routing))
+    with pytest.raises(ValueError, match="lookahead"):
+        type(stacks[0])(cached, 64, 16, dtype=torch.bfloat16, device=device, lookahead=0)
+
+
 @pytest.mark.gpu
-def test_graphed_step_with_prefetch_replays_equal_to_eager_without():
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_graphed_step_with_prefetch_replays_equal_to_eager_without(lookahead):
     from expertcache.decode_stack import GraphedDecodeStep
 
     gen = torch.Generator().manual_seed(4)
-    cached, stacks, routing = cached_and_full_stacks(gen, tokens=2, cache_size=8)
+    cached, stacks, routing = cached_and_full_stacks(gen, tokens=2, cache_size=8, lookahead=lookahead)
 
     def guess(step_routing: torch.Tensor) -> torch.Tensor:  # half right, half wrong
         return torch.cat([step_routing[..., :2], (step_routing[..., 2:] + 5) % 16], dim=-1)
