@@ -212,7 +212,7 @@ class Variant:
     bytes_per_step: int | None = None  # fixed copies (streaming); None: read the cache's stats
     num_slots: int | None = None  # slots one layer's call may use (caches: the pool's share)
     right: int | None = None  # prefetch: true ids among the K guesses an oracle makes per token
-    lookahead: int = 1  # prefetch: how many layers on each router's guesses go (``DecodeStack``'s)
+    lookahead: int = 2  # prefetch: how many layers on each router's guesses go (``DecodeStack``'s)
     copies_only: bool = False  # the floor: the step without its expert compute (admissions and copies kept)
     overlap: bool = True  # False: the stack asks for passes one after the other (``--serial``)
     landing: bool = True  # False: the apply waits for a pass's whole copy, not each expert (``--unlanded``)
@@ -277,10 +277,11 @@ def drain_passes(hidden: torch.Tensor, results, topk_weights: torch.Tensor) -> t
 
 
 def prefetch_name(top_k: int, right: int, lookahead: int) -> str:
+    """``device prefetch R/K``, then ``ahead D`` past one layer (the rows before run 105 went one ahead)."""
     return f"device prefetch {right}/{top_k}{f' ahead {lookahead}' if lookahead > 1 else ''}"
 
 
-def prefetching(bench: Bench, fraction: float, right: int, lookahead: int = 1) -> Variant:
+def prefetching(bench: Bench, fraction: float, right: int, lookahead: int) -> Variant:
     variant = cached(bench, fraction, "device", False)
     name = prefetch_name(bench.shape["top_k"], right, lookahead)
     return dataclasses.replace(variant, name=name, right=right, lookahead=lookahead)
@@ -306,7 +307,7 @@ def variant_builders(
     serial_at: list[float],
     unlanded_at: list[float] = (),  # type: ignore[assignment]
     landed_whole_at: list[float] = (),  # type: ignore[assignment]
-    lookaheads: list[int] = (1,),  # type: ignore[assignment]
+    lookaheads: list[int] = (2,),  # type: ignore[assignment]
 ) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
@@ -348,8 +349,7 @@ def make_stack(bench: Bench, variant: Variant) -> DecodeStack:
         options["overlap"] = False
     if not variant.landing and not variant.copies_only:
         options["landing"] = False
-    if variant.lookahead != 1:
-        options["lookahead"] = variant.lookahead
+    options["lookahead"] = variant.lookahead
     shape = bench.shape
     return DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=bench.device,
                        **options)  # fmt: skip
@@ -438,7 +438,7 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
     if variant.landed_whole:
         row["landing"] = "whole"
     if variant.right is not None:
-        row.update(right=variant.right, mb_prefetched_per_step=prefetched / 1e6)
+        row.update(right=variant.right, mb_prefetched_per_step=prefetched / 1e6)  # the name says how far ahead
     if "coded" in variant.name:  # PCIe carried the coded bytes
         coded = delta.compressed_bytes_h2d / steps
         row.update(mb_coded_per_step=coded / 1e6, coded_copy_ms=coded / (bench.copy_gbps * 1e6))
@@ -787,9 +787,9 @@ def parse_args() -> argparse.Namespace:
                              "temporary folder)")  # fmt: skip
     parser.add_argument("--prefetch", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode with oracle prefetches at these fractions (none given: none)")  # fmt: skip
-    parser.add_argument("--lookahead", type=int, nargs="+", default=[1], metavar="D",
-                        help="the oracle prefetches go this many layers ahead: each router guesses layer l + D "
-                             "(one row per D; default 1)")  # fmt: skip
+    parser.add_argument("--lookahead", type=int, nargs="+", default=[2], metavar="D",
+                        help="the oracle prefetches go this many layers ahead: each router starts layer l + D's "
+                             "(one row per D; default 2, DecodeStack's)")  # fmt: skip
     parser.add_argument("--coded", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode over exponent-coded stores at these fractions (prefill: any adds it; "
                              "none given: no coded variant)")  # fmt: skip

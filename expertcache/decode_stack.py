@@ -73,7 +73,9 @@ class DecodeStack:
             (and a ``functools.partial`` of it) when ``overlap`` is, off otherwise.
         lookahead: ``d``, an integer of at least 1: how many layers on a router hands its
             step's predictions (``step``'s ``prefetch``): layer ``l``'s router starts layer
-            ``l + d``'s prefetch, so ``d`` layers' copies may share the link at once.
+            ``l + d``'s prefetch, so ``d`` layers' copies may share the link at once. Default
+            2: on the H200 with oracle guesses, 1-4% faster than 1 at batches 1-8, and 3 no
+            faster than 2 (`benchmarks/README.md`, run 105).
     """
 
     def __init__(
@@ -88,7 +90,7 @@ class DecodeStack:
         apply: ExpertApply = moe_apply_passes,
         overlap: bool | None = None,
         landing: bool | None = None,
-        lookahead: int = 1,
+        lookahead: int = 2,
     ) -> None:
         providers = list(providers)
         hidden_size = check_int("hidden_size", hidden_size, minimum=1)

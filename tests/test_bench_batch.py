@@ -31,8 +31,8 @@ from helpers import BENCHMARKS, bench_module, traces_env
         ("bench_batch", ["--copy-priority", "low"], "--copy-priority: invalid choice"),
         ("bench_batch", ["--replot", "abc", "--ste", "3"], "--replot draws the CSV's rows"),  # abbreviated too
         ("bench_batch", ["--lookahead", "1", "0"], "--lookahead takes layers ahead of at least 1, got 0"),
-        ("bench_batch", ["--lookahead", "2", "--prefetch"], "--lookahead sets how far the oracle prefetches go"),
-        ("bench_batch", ["--lookahead", "2", "--prefill", "16"], "--lookahead sets how far the oracle prefetches"),
+        ("bench_batch", ["--lookahead", "3", "--prefetch"], "--lookahead sets how far the oracle prefetches go"),
+        ("bench_batch", ["--lookahead", "1", "--prefill", "16"], "--lookahead sets how far the oracle prefetches"),
         ("bench_copy_service", ["--misses", "0"], "--misses must lie in 1..64"),
         ("bench_copy_service", ["--misses", "65"], "--misses must lie in 1..64"),  # more than the slots
         ("bench_copy_service", ["--layers", "0"], "--layers and --repeats >= 1"),
