@@ -74,8 +74,9 @@ class DecodeStack:
         lookahead: ``d``, an integer of at least 1: how many layers on a router hands its
             step's predictions (``step``'s ``prefetch``): layer ``l``'s router starts layer
             ``l + d``'s prefetch, so ``d`` layers' copies may share the link at once. Default
-            2: on the H200 with oracle guesses, 1-4% faster than 1 at batches 1-8, and 3 no
-            faster than 2 (`benchmarks/README.md`, run 105).
+            2: on the H200, with oracle guesses all right 1.0-2.9% faster than 1 at batches
+            1-8 (0.1-1.7% with 6 of 8 right), and 3 no faster than 2 (`benchmarks/README.md`,
+            run 105).
     """
 
     def __init__(
