@@ -8,7 +8,9 @@
   ``KeyboardInterrupt`` when the block ends, so a Ctrl-C can never land between "copies
   enqueued" and "tables committed". Exceptions raised by the code inside still propagate
   at once (the caller rolls back). Only the main thread receives signals; elsewhere the
-  block is a no-op.
+  block is a no-op. So it is under a ``SIGINT`` handler installed from C (an application
+  embedding Python; `signal.getsignal` gives None): Python could not put such a handler back,
+  and it cannot raise in the Python code inside, so it is left in place and keeps its signals.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ class SingleCaller:
 
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
-    """Hold ``SIGINT`` until the block ends (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
+    """Hold ``SIGINT`` until the block ends (main thread, under a handler set from Python)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     received: list[object] = []

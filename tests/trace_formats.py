@@ -103,8 +103,8 @@ def layer_records(draw) -> Truth:
 
 @st.composite
 def raw_routing_log(draw) -> Truth:
-    """A prefill (layer-major, ``token_pos`` 0..P-1), then decode steps (``token_pos`` 0)."""
-    ids, mask, layers, experts = draw(_cells(min_layers=2))
+    """A prefill (layer-major, ``token_pos`` 0..P-1), then decode steps (``token_pos`` 0); one layer too."""
+    ids, mask, layers, experts = draw(_cells())
     tokens = ids.shape[0]
     prompt = draw(st.integers(1, tokens))
     mask[prompt - 1, -1] = True  # the prefill's last token, at the last layer: the prefill ends there

@@ -14,6 +14,14 @@ trace is read (writable, neither the other nor an input file) and rendered in me
 written. ``--manifest`` must describe the trace's model (its experts per layer); the
 recommended cache size is one the runtime takes (at least the trace's top-k).
 
+The budget is split over the model's MoE layers and per-token costs are scaled to them (the
+traced layers taken as representative; see `model_layers`): ``--layers N``, else the layers
+of a manifest of several (written from every cached layer of the model), else the trace's.
+A manifest of one layer (``provider.manifest().write(FILE)``) gives the expert sizes only. A
+manifest of several layers that covers fewer than the trace records, or that ``--layers``
+contradicts, is refused. When the manifest's layers are more than the trace's, the output
+says so in one line; the CSV records ``traced_layers`` and ``model_layers`` on every row.
+
 ``--compression exponent`` costs each miss at the coded bytes of an exponent-coded store
 (``--moe-expert-cache-compression exponent``); the slots, and so the cache size a budget
 buys, stay raw. The bytes per miss come from, in this order: ``--compression-ratio R``
@@ -66,11 +74,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--trace", required=True, type=input_path, help="routing trace (.npz, .jsonl or folder)")
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--expert-bytes", type=whole_number(1, MAX_EXPERT_BYTES), help="bytes of one expert (record)")
-    size.add_argument("--manifest", type=input_path, help="manifest JSON (provider.manifest().write(FILE))")
+    size.add_argument(
+        "--manifest",
+        type=input_path,
+        help="manifest JSON: expert sizes (one layer's: provider.manifest().write(FILE)) and, written from "
+        "every cached layer of the model, its MoE layers (the budget is split over them)",
+    )
     gigabytes = positive_number(MAX_GIGABYTES)
     parser.add_argument("--gpu-budget", type=gigabytes, required=True, help="GB for slots")
     parser.add_argument("--bandwidth", type=gigabytes, help="host->GPU copy GB/s")
-    parser.add_argument("--layers", type=whole_number(1, MAX_COUNT), help="MoE layers of the model")
+    parser.add_argument(
+        "--layers",
+        type=whole_number(1, MAX_COUNT),
+        help="MoE layers of the model (default: a manifest's of several layers, else the trace's)",
+    )
     parser.add_argument("--num-experts", type=whole_number(1, MAX_COUNT), help="experts per layer (override)")
     parser.add_argument(
         "--policies",
@@ -125,8 +142,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"{args.trace}: the trace has no routing records ({trace.num_tokens} tokens): nothing to plan on"
         )
-    if args.layers is not None and args.layers < trace.num_layers:
-        raise ValueError(f"--layers {args.layers} is fewer than the {trace.num_layers} MoE layers the trace records")
+    layers, layers_note = model_layers(trace.num_layers, args.layers, args.manifest)
     expert_bytes = args.expert_bytes
     if manifest is not None:
         expert_bytes, per_layer = manifest
@@ -146,20 +162,24 @@ def run(args: argparse.Namespace) -> int:
         expert_bytes=expert_bytes,
         gpu_budget_bytes=round(args.gpu_budget * 1e9),
         bandwidth_bytes_per_second=args.bandwidth * 1e9 if args.bandwidth else None,
-        model_layers=args.layers,
+        model_layers=layers,
         policies=policies,
         progress=None if args.no_progress else _progress_bar,
         copy_bytes=copy_bytes,
         oversize="overlapped" if args.overlapped_passes else "passes",
         overlap_max_ids=OVERLAP_MAX_IDS if args.overlapped_passes else None,
     )
-    print(_describe(trace, expert_bytes, args))
+    print(_describe(trace, expert_bytes, layers, args))
+    if layers_note:
+        print(layers_note)
     if copy_source:
         print(f"bytes per miss {copy_bytes:,} ({copy_bytes / expert_bytes:.3f} of the expert bytes, {copy_source})")
     print(format_table(result, policies))
-    print(recommendation(result, trace.num_experts, args.layers or trace.num_layers))
+    print(recommendation(result, trace.num_experts, layers))
     # rendered first, then written together: a plot or a write that fails leaves no CSV behind
-    write_files({path: _render(flag, result, trace.model or args.trace.name) for flag, path in outputs.items()})
+    columns = {"traced_layers": trace.num_layers, "model_layers": layers}
+    name = trace.model or args.trace.name
+    write_files({path: _render(flag, result, name, columns) for flag, path in outputs.items()})
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
@@ -183,6 +203,46 @@ def read_manifest_sizes(path: str | Path) -> tuple[int, int]:
             f"--manifest {path}: {manifest.experts} experts do not split evenly over {manifest.layers} layers"
         )
     return manifest.expert_bytes, manifest.experts // manifest.layers
+
+
+def model_layers(traced: int, layers: int | None, manifest: str | Path | None) -> tuple[int, str]:
+    """``(MoE layers of the model, a line saying they come from the manifest or "")``.
+
+    The budget is split over these layers and per-token costs are scaled to them
+    (`expertcache.planner.plan`'s ``model_layers``): ``--layers`` when given; else the layers
+    of a manifest covering several (`expertcache.manifest.build_manifest` of every cached
+    layer: the model's); else the trace's. A manifest of one layer (``provider.manifest()``)
+    gives the expert sizes only.
+
+    Args:
+        traced: the layers the trace records.
+        layers: ``--layers`` (None: not given).
+        manifest: ``--manifest`` (None: not given), already checked by `read_manifest_sizes`.
+
+    Raises:
+        ValueError: ``--layers``, or a manifest of several layers, below ``traced``; or
+            ``--layers`` and such a manifest disagreeing.
+    """
+    from expertcache.manifest import Manifest
+
+    if layers is not None and layers < traced:
+        raise ValueError(f"--layers {layers} is fewer than the {traced} MoE layers the trace records")
+    covered = Manifest.read(manifest).layers if manifest is not None else 1
+    if covered == 1:  # no manifest, or one layer's: it says nothing of the model's layers
+        return layers or traced, ""
+    if covered < traced:
+        raise ValueError(
+            f"--manifest {manifest} covers {covered} MoE layers, fewer than the {traced} the trace records: the "
+            "plan would be for another model (a manifest of one layer, provider.manifest(), gives expert sizes only)"
+        )
+    if layers is not None and layers != covered:
+        raise ValueError(f"--layers {layers} disagrees with --manifest {manifest}, which covers {covered} MoE layers")
+    if covered == traced:
+        return covered, ""
+    return covered, (
+        f"model layers {covered} (from --manifest {manifest}; the trace records {traced}): the GPU budget is split "
+        f"over all {covered}, per-token costs scaled up from the traced layers"
+    )
 
 
 def read_manifest_copy_bytes(path: str | Path) -> int | None:
@@ -225,8 +285,7 @@ def _progress_bar(total: int) -> Callable[[], None]:
     return lambda: bar.update(1)
 
 
-def _describe(trace, expert_bytes: int, args: argparse.Namespace) -> str:
-    layers = args.layers or trace.num_layers
+def _describe(trace, expert_bytes: int, layers: int, args: argparse.Namespace) -> str:
     lines = [
         f"trace: {args.trace}",
         f"  {trace.model or 'model not recorded'}: {trace.num_tokens} tokens, "
@@ -298,14 +357,14 @@ def recommendation(result: Plan, num_experts: int, layers: int) -> str:
     )
 
 
-def _render(flag: str, result: Plan, name: str) -> bytes:
-    """The bytes of the ``--csv`` or ``--plot`` file."""
+def _render(flag: str, result: Plan, name: str, columns: dict[str, int]) -> bytes:
+    """The bytes of the ``--csv`` (each row with ``columns`` after its fields) or ``--plot`` file."""
     if flag == "--plot":
         from expertcache.plan_plot import render_plan
 
         return render_plan(result, title=f"{name}: hit rate vs cache size")
     text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=[field.name for field in dataclasses.fields(PlanRow)])
+    writer = csv.DictWriter(text, fieldnames=[field.name for field in dataclasses.fields(PlanRow)] + list(columns))
     writer.writeheader()
-    writer.writerows(dataclasses.asdict(row) for row in result.rows)
+    writer.writerows({**dataclasses.asdict(row), **columns} for row in result.rows)
     return text.getvalue().encode("utf-8")

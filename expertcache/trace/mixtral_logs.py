@@ -5,8 +5,10 @@
     {"dataset", "problem_id", "layer", "token_pos", "experts": [K], "gating_probs": [K]}
 
 prefill first, layer by layer (a run of ``token_pos`` 0..P-1 per layer), then one record
-per layer per decode step with ``token_pos`` 0: a step starts whenever ``layer`` does not
-increase. ``decode``-only files::
+per layer per decode step with ``token_pos`` 0. The prefill ends at the first record that
+goes back: to a lower ``layer``, or to ``token_pos`` 0 at the same layer (only a decode step
+does that: each step of a log of one layer; a first step whose records below the prefill's
+last layer were lost); a step starts whenever ``layer`` does not increase. ``decode``-only files::
 
     {"dataset", "problem_id", "layer", "experts": [K], "gating_probs": [K], "token_idx"}
 
@@ -14,10 +16,11 @@ grouped by (problem, layer), ``token_idx`` numbered per layer *after* records we
 
 Known defect of both: the logger skipped every token whose gate weights were exactly
 [0.5, 0.5] (meant for padding, it also hit real bf16 ties): about 2.8% of the (token, layer)
-records are missing. In the raw log a missing record is a -1 row at its exact place. In the
-decode files the per-layer order is exact but the rows are *not aligned across layers*
-after a loss, so only per-layer replay is faithful; each layer's rows are laid down in
-order and padded with -1 at the end.
+records are missing. In the raw log a missing record is a -1 row at its exact place (a
+decode step that lost every record, as a step of a one-layer log does with its one, leaves
+no row). In the decode files the per-layer order is exact but the rows are *not aligned
+across layers* after a loss, so only per-layer replay is faithful; each layer's rows are
+laid down in order and padded with -1 at the end.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def load_raw_routing_log(path: str | Path, *, num_experts: int | None = None, mo
     records = [_raw_record(checker, line, record) for line, record in read_jsonl(path)]
     require_records(path, records)
     layers = [layer for _, layer, _, _ in records]
-    prefill_end = next((i for i in range(1, len(layers)) if layers[i] < layers[i - 1]), len(records))
+    prefill_end = _prefill_end(records)
     prefill = records[:prefill_end]
     _refuse_repeats(checker, prefill)
     prompt_tokens = max(position for _, _, position, _ in prefill) + 1
@@ -92,6 +95,17 @@ def load_raw_routing_log(path: str | Path, *, num_experts: int | None = None, mo
             f"{DROPPED_TIES} {missing_note(ids)}"
         ),
     )
+
+
+def _prefill_end(records: list[_Raw]) -> int:
+    """The index of the first decode record: the first that goes back to a lower layer, or to
+    ``token_pos`` 0 at the layer before it (in the prefill a layer's positions only grow);
+    ``len(records)`` when there is none."""
+    for index in range(1, len(records)):
+        (_, previous, _, _), (_, layer, position, _) = records[index - 1], records[index]
+        if layer < previous or (layer == previous and position == 0):
+            return index
+    return len(records)
 
 
 def _raw_record(checker: RecordChecker, line: int, record: dict) -> _Raw:
