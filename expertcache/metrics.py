@@ -10,7 +10,9 @@ Exposed per layer (label ``layer``)::
 
     expertcache_hits_total, expertcache_misses_total, expertcache_evictions_total,
     expertcache_bytes_copied_total, expertcache_compressed_bytes_copied_total,
-    expertcache_prepare_calls_total
+    expertcache_prepare_calls_total,
+    expertcache_invalid_ids_total (ids outside [0, E) device mode skipped instead of raising),
+    expertcache_overflows_total (device-mode calls refused for needing more experts than slots)
     expertcache_prepare_seconds (histogram; only for providers wrapped in TimedProvider)
 
 Usage::

@@ -41,6 +41,18 @@ _COUNTERS = (
         "(compression='exponent'), bytes_copied otherwise.",
     ),
     ("prepare_calls", "calls", "prepare() calls that completed."),
+    (
+        "invalid_ids",
+        "invalid_ids",
+        "Expert ids outside [0, E) that device mode mapped to -1 (skipped) instead of raising; "
+        "always 0 in host mode, which raises.",
+    ),
+    (
+        "overflows",
+        "overflows",
+        "Device-mode calls refused on the device because they needed more distinct experts than slots "
+        "(nothing changed, their ids came out -1); the paths that read ids on the host raise instead.",
+    ),
 )
 
 _Timing = tuple[list[tuple[str, int]], float]  # `TimedProvider.prepare_seconds`: buckets, sum

@@ -5,6 +5,11 @@ Part of the Prometheus metrics (`expertcache.metrics`): the counters are the pro
 `CacheStats`, but nothing in a provider times its calls, so a provider wrapped in this one
 also gets the ``expertcache_prepare_seconds`` histogram (`expertcache.metrics_collector`
 reads `TimedProvider.prepare_seconds` at scrape time). Needs no ``prometheus_client``.
+
+A scrape runs on another thread than the calls it reads: a lock makes each recording (a
+bucket and the sum) and each read one step, so a scrape never sees a sum that disagrees with
+the buckets or the count. It is held for a few list and float operations, never across the
+wrapped call.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
+import threading
 import time
 from collections.abc import Generator, Iterable, Iterator
 
@@ -62,6 +68,7 @@ class TimedProvider(ExpertWeightProvider):
         self.provider = provider
         self._counts = [0] * (len(self.buckets) + 1)  # the last bucket is +Inf
         self._sum = 0.0
+        self._lock = threading.Lock()  # a bucket and the sum change, and are read, together
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         """`FORWARDED` attributes of the wrapped provider (prefetches are not timed)."""
@@ -108,16 +115,21 @@ class TimedProvider(ExpertWeightProvider):
                 close()
 
     def _observe(self, elapsed: float) -> None:
-        self._counts[bisect.bisect_left(self.buckets, elapsed)] += 1
-        self._sum += elapsed
+        bucket = bisect.bisect_left(self.buckets, elapsed)
+        with self._lock:
+            self._counts[bucket] += 1
+            self._sum += elapsed
 
     def prepare_seconds(self) -> tuple[list[tuple[str, int]], float]:
-        """Cumulative ``(upper bound, count)`` buckets (last ``"+Inf"``) and the sum."""
+        """Cumulative ``(upper bound, count)`` buckets (last ``"+Inf"``) and the sum, read at
+        one moment (safe from any thread: the sum always matches the buckets)."""
+        with self._lock:
+            counts, seconds = list(self._counts), self._sum
         cumulative, total = [], 0
-        for bound, count in zip((*map(str, self.buckets), "+Inf"), self._counts, strict=True):
+        for bound, count in zip((*map(str, self.buckets), "+Inf"), counts, strict=True):
             total += count
             cumulative.append((bound, total))
-        return cumulative, self._sum
+        return cumulative, seconds
 
 
 def _check_buckets(buckets: object) -> tuple[float, ...]:

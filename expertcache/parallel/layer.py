@@ -118,7 +118,9 @@ class ExpertParallelMoE:
 
         Returns:
             ``[T_r, H]`` in ``hidden``'s dtype, equal to `moe_forward` of the full layer on
-            these rows of all ranks' tokens concatenated in rank order.
+            these rows of all ranks' tokens concatenated in rank order. Every call that
+            passes the checks counts one call in ``stats.calls`` on every rank, even one in
+            which no rank has a token (nothing is looked up or copied then).
 
         Raises:
             TypeError / ValueError: this rank's inputs do not fit (its own error; ``K`` = 0
@@ -129,7 +131,8 @@ class ExpertParallelMoE:
         """
         rows = self._agree(hidden, topk_weights, topk_ids)
         tokens = hidden.shape[0]
-        if rows == 0:
+        if rows == 0:  # no rank has a token: still a call, counted as `LocalExperts` counts an empty one
+            self.local.outputs(hidden, topk_ids)
             return hidden.new_zeros(hidden.shape)
         ids = topk_ids.long()  # one dtype for the gather: ranks may hold int32 or int64 ids
         all_ids, _ = gather_rows(ids, rows, fill=-1, group=self.group)

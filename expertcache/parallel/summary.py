@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -121,16 +121,48 @@ def rank_manifest(layer: ExpertParallelMoE) -> dict[str, Any]:
 def gather_manifests(layer: ExpertParallelMoE, *, group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
     """Every rank's `rank_manifest` of ``layer``, in rank order; every rank must call it.
 
-    ``layer`` is checked as in `rank_manifest`; a rank that refuses it still joins the
-    gather and raises its TypeError, every other rank a ValueError naming it."""
-    refusal: Exception | None = None
+    A rank whose manifest cannot be built (``layer`` refused as in `rank_manifest`, or any
+    error while reading the layer) still joins the gather, with its error's name and message
+    in place of a manifest: it raises its own error, and every other rank one ValueError
+    naming the ranks and their errors. No rank waits, and the next gather pairs as ever.
+
+    Raises:
+        TypeError: ``layer`` is not an `ExpertParallelMoE` (this rank's own error; the others
+            raise the ValueError below). Any other ``Exception`` building the manifest, on the
+            rank that hit it. ValueError: another rank refused ``layer`` or failed.
+    """
+    error: Exception | None = None
     try:
-        mine: dict[str, Any] | None = rank_manifest(layer)
-    except TypeError as error:  # joins the gather all the same, as None: no rank waits
+        mine: dict[str, Any] | _RankError = rank_manifest(layer)
+    except Exception as caught:  # any kind: it joins the gather all the same, so that no rank waits
         if not dist.is_initialized():
             raise  # no group to tell
-        mine, refusal = None, error
+        error = caught
+        mine = _RankError(refused=not isinstance(layer, ExpertParallelMoE), what=_describe(caught))
     manifests: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(manifests, mine, group=group)
-    _raise_refusals(refusal, [manifest is None for manifest in manifests], "gather_manifests")
+    if error is not None:
+        raise error
+    failed = {rank: entry for rank, entry in enumerate(manifests) if isinstance(entry, _RankError)}
+    if failed:
+        raise ValueError(_failure_message(failed, "gather_manifests"))
     return manifests
+
+
+class _RankError(NamedTuple):
+    """What a rank that could not build its manifest sends instead (pickled, small)."""
+
+    refused: bool  # its argument was not a layer (the others read: refused their arguments)
+    what: str  # "TypeName: message", cut short
+
+
+def _describe(error: Exception) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _failure_message(failed: dict[int, _RankError], what: str) -> str:
+    ranks = sorted(failed)
+    details = "; ".join(f"rank {rank}: {failed[rank].what}" for rank in ranks)
+    verb = f"refused their arguments to {what}" if all(e.refused for e in failed.values()) else f"failed in {what}"
+    return f"rank(s) {ranks} {verb} ({details}); nothing was gathered"
