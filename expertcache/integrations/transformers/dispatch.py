@@ -2,7 +2,9 @@
 
 ``@use_experts_implementation`` makes an experts module's ``forward`` look up
 ``config._experts_implementation`` in transformers' experts-function registry. The cache
-registers one more entry there; a served module's config names it, and each call becomes::
+registers one more entry there; a served module's config names it (the served model's own
+copy of its config, `model_configs`: other models built from the same config object keep
+their implementation), and each call becomes::
 
     hidden [T, H], top_k_index [T, K] (expert ids), top_k_weights [T, K]
       -> provider.passes(top_k_index)            misses copied into slots, ids -> slot ids
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from expertcache.cached_provider import CachedWeightProvider
+from expertcache.integrations.transformers.inference_only import without_backward
 from expertcache.integrations.transformers.pass_runs import run_call
 from expertcache.trace.recorder import RoutingRecorder
 
@@ -51,7 +54,8 @@ class Selection:
     """The experts implementation that the blocks of one config run on the slots.
 
     Attributes:
-        config: the (sub)config the blocks share; while served it names `IMPLEMENTATION_NAME`.
+        config: the (sub)config the blocks share (the served model's own copy); while served
+            it names `IMPLEMENTATION_NAME`.
         name: the implementation to wrap (what the config named before, or what
             ``set_experts_implementation`` chose since).
     """
@@ -201,6 +205,8 @@ def expertcache_experts_forward(
     Kept out of torch.compile (``torch.compiler.disable``): a compiled model runs it eagerly
     between its compiled pieces (``fullgraph=True`` refuses, naming it). Traced, the slot
     views and the passes' host-side choices were not followed (wrong outputs, no error).
+    Inference only: a forward with gradients enabled runs, a backward through it raises
+    (`inference_only`).
 
     Args:
         hidden_states: ``[T, H]`` tokens.
@@ -219,7 +225,12 @@ def expertcache_experts_forward(
         )
     if binding.recorder is not None:
         binding.recorder.record(binding.layer, top_k_index)
-    return run_call(binding, self, hidden_states, top_k_index, top_k_weights)
+    return without_backward(
+        lambda: run_call(binding, self, hidden_states, top_k_index, top_k_weights),
+        f"layer {binding.layer}'s {type(self).__name__}",
+        hidden_states,
+        top_k_weights,
+    )
 
 
 def register(interface: object | None = None) -> bool:

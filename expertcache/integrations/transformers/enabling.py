@@ -4,8 +4,10 @@ For each expert block (found by `discovery`), its per-expert parameters are copi
 `CachedWeightProvider` (pinned host store + GPU slots) and the parameters themselves shrink
 to empty placeholders, so the GPU keeps only the slots; shared experts, routers, attention
 and everything else stay where they were. The block's config then selects the
-``"expertcache"`` experts implementation (`dispatch`). The returned `ExpertCacheHandle`
-reports statistics and ``disable()`` puts the original weights back, all or nothing.
+``"expertcache"`` experts implementation (`dispatch`): the model's own copy of it
+(`model_configs`), so other models built from the same config object keep theirs. The
+returned `ExpertCacheHandle` reports statistics and ``disable()`` puts the original weights
+(and config objects) back, all or nothing.
 
 This module holds the enabling: `enable_expert_cache`, with every check it makes before it
 changes anything, and `check_cache_size`, which a command line runs on a meta-device model
@@ -30,6 +32,7 @@ from expertcache.integrations.transformers.discovery import (
     find_expert_blocks,
     model_family,
 )
+from expertcache.integrations.transformers.model_configs import ModelConfigs
 from expertcache.integrations.transformers.serving import (
     ServedBlock,
     block_layout,
@@ -126,10 +129,12 @@ def enable_expert_cache(
     check_pin_budget(blocks, layouts, config.pin_budget_bytes)
     pool = shared_pool(blocks, layouts, config, target) if config.budget == "global" else None
     expert_bytes = sum(block.module.get_parameter(name).nbytes for block in blocks for name in block.parameter_names)
+    configs = ModelConfigs(model)  # copies only: the model still holds its own objects
     served = serve_blocks(blocks, config, target, pool)
     if recorder is not None:
         recorder.describe(**description)  # checked on a copy above: cannot fail
-    handle = ExpertCacheHandle(config, served, recorder, expert_bytes)
+    configs.install()  # the selection below goes on this model's copies, not on a shared config
+    handle = ExpertCacheHandle(config, served, recorder, expert_bytes, configs)
     for item in served:
         block_config = getattr(item.block.module, "config")  # noqa: B009 - set by the decorator
         name, function = inner[item.block.name]

@@ -3,7 +3,8 @@
 The handle reports the cache's statistics (per expert block and in total), the providers
 serving each block and the bytes they hold; ``disable()`` puts the original weights back
 (`serving.restored_weights`, then `serving.put_back` for every block once all are built),
-all or nothing, and re-selects the experts implementation each config names now.
+all or nothing, re-selects the experts implementation each config names now and gives the
+model its original config objects back (`model_configs`).
 `enable_expert_cache` and `check_cache_size`, which make the handle, live in `enabling`
 and are re-exported here.
 """
@@ -20,6 +21,7 @@ from expertcache.cached_provider import CachedWeightProvider
 from expertcache.config import ExpertCacheConfig
 from expertcache.integrations.transformers import dispatch
 from expertcache.integrations.transformers.enabling import check_cache_size, enable_expert_cache
+from expertcache.integrations.transformers.model_configs import ModelConfigs
 from expertcache.integrations.transformers.serving import (
     ServedBlock,
     bytes_needed,
@@ -65,11 +67,17 @@ class ExpertCacheHandle:
     """
 
     def __init__(
-        self, config: ExpertCacheConfig, served: list[ServedBlock], recorder: RoutingRecorder | None, expert_bytes: int
+        self,
+        config: ExpertCacheConfig,
+        served: list[ServedBlock],
+        recorder: RoutingRecorder | None,
+        expert_bytes: int,
+        model_configs: ModelConfigs,
     ) -> None:
         self.config = config
         self.recorder = recorder
         self._served = served
+        self._model_configs = model_configs
         self._layers = tuple(item.block.name for item in served)
         self._selections: dict[int, dispatch.Selection] = {}
         self._final_stats: ExpertCacheStats | None = None
@@ -120,7 +128,9 @@ class ExpertCacheHandle:
         The same values, shape and Parameter objects come back, in each placeholder's
         current dtype (a ``model.to(dtype)`` since enabling is honoured), and the experts
         implementation selected now (the one in force when the cache was enabled, or what
-        ``model.set_experts_implementation`` chose since) stays selected.
+        ``model.set_experts_implementation`` chose since) stays selected. The model's
+        modules hold their original config objects again (the model held copies while
+        served, `model_configs`), with what was changed on the copies since.
 
         Args:
             to: ``"original"``: on the device each placeholder is on now, which is where
@@ -155,6 +165,7 @@ class ExpertCacheHandle:
             put_back(item, restored)
         for selection in self._selections.values():
             dispatch.set_config_implementation(selection.config, dispatch.chosen_implementation(selection))
+        self._model_configs.give_back()  # with the implementation chosen, if one was since enabling
         self._served = []  # drops the providers: the slots and the pinned store are freed
         self._final_stats = final
 
