@@ -51,7 +51,8 @@ import _common  # noqa: E402
 import dfloat11_baseline  # noqa: E402
 from _common import append_csv, cuda_time_ms, pinned_copy_gbps, print_table  # noqa: E402
 
-from expertcache.compression import FLOAT16_FIELDS, ExponentCode, analyse  # noqa: E402
+from expertcache.exponent_analysis import analyse  # noqa: E402
+from expertcache.exponent_code import FLOAT16_FIELDS, ExponentCode  # noqa: E402
 from expertcache.kernels.copy_experts import CopyPlan, copy_experts  # noqa: E402
 from expertcache.kernels.decode_copy import build_decode_segments, decode_copy, scratch_bytes  # noqa: E402
 from expertcache.layout import layout_from_weights  # noqa: E402

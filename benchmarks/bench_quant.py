@@ -100,13 +100,8 @@ from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E40
 from expertcache.kernels import moe_apply_passes, moe_apply_quant_passes  # noqa: E402
 from expertcache.layout import layout_from_weights  # noqa: E402
 from expertcache.passes import max_passes  # noqa: E402
-from expertcache.quant import (  # noqa: E402
-    FP8_BLOCK_128,
-    GPT_OSS_BF16,
-    GPT_OSS_MXFP4,
-    dequantize_experts,
-    quantize_experts,
-)
+from expertcache.quant import FP8_BLOCK_128, GPT_OSS_BF16, GPT_OSS_MXFP4  # noqa: E402
+from expertcache.quant_tensors import dequantize_experts, quantize_experts  # noqa: E402
 from expertcache.result import ExpertWeightResult  # noqa: E402
 from expertcache.store import CPUBackingStore  # noqa: E402
 

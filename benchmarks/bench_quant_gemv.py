@@ -53,7 +53,8 @@ from expertcache.kernels.quant_apply import (  # noqa: E402
 )
 from expertcache.kernels.quant_common import FORMAT_CODES, quant_operands  # noqa: E402
 from expertcache.provider import result_from_tensors  # noqa: E402
-from expertcache.quant import FP8_BLOCK_128, GPT_OSS_BF16, GPT_OSS_MXFP4, quantize_experts  # noqa: E402
+from expertcache.quant import FP8_BLOCK_128, GPT_OSS_BF16, GPT_OSS_MXFP4  # noqa: E402
+from expertcache.quant_tensors import quantize_experts  # noqa: E402
 
 FORMATS = {
     "fp8 qwen3": dict(scheme=FP8_BLOCK_128, experts=128, hidden=2048, inter=768, top_k=8),

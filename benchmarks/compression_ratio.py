@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from expertcache.compression import ExponentCode, analyse
+from expertcache.exponent_analysis import analyse
+from expertcache.exponent_code import ExponentCode
 
 SCALES = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 #: (code_bits, second_bits, block)

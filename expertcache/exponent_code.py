@@ -54,7 +54,7 @@ DEFAULT_CODE_BITS = 2
 DEFAULT_SECOND_BITS = 3
 
 
-def _pad16(n: int) -> int:
+def pad16(n: int) -> int:
     return -(-n // 16) * 16
 
 
@@ -169,16 +169,16 @@ class RecordFormat:
     def block_bytes(self, count: int | None = None) -> int:
         """Bytes of a block of ``count`` values (default: a whole block)."""
         count = self.code.block if count is None else count
-        return HEADER_BYTES + _pad16(count) + self.code_bytes(count) + self.spill_bytes + self.capacity
+        return HEADER_BYTES + pad16(count) + self.code_bytes(count) + self.spill_bytes + self.capacity
 
     @property
     def spill_bytes(self) -> int:
         """Bytes of a block's second-code stream (padded to 16)."""
-        return _pad16(self.spill * self.code.second_bits // 8)
+        return pad16(self.spill * self.code.second_bits // 8)
 
     def code_bytes(self, count: int) -> int:
         """Bytes of the code stream of a block of ``count`` values (padded to 16)."""
-        return _pad16(-(-count * self.code.field_bits // 8))
+        return pad16(-(-count * self.code.field_bits // 8))
 
     @property
     def last_values(self) -> int:

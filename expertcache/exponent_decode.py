@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from expertcache.exponent_code import HEADER_BYTES, RecordFormat, _pad16
+from expertcache.exponent_code import HEADER_BYTES, RecordFormat, pad16
 
 
 def _unpack(stream: torch.Tensor, count: int, field_bits: int) -> torch.Tensor:
@@ -32,7 +32,7 @@ def _at_rank(part: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
 def _decode_blocks(blocks: torch.Tensor, count: int, fmt: RecordFormat) -> torch.Tensor:
     """``[R, block bytes]`` blocks of ``count`` values each -> ``[R, count]`` int64 bit patterns."""
     code = fmt.code
-    literal_at, code_at = HEADER_BYTES, HEADER_BYTES + _pad16(count)
+    literal_at, code_at = HEADER_BYTES, HEADER_BYTES + pad16(count)
     second_at = code_at + fmt.code_bytes(count)
     exception_at = second_at + fmt.spill_bytes
     fields = _unpack(blocks[:, code_at:second_at], count, code.field_bits)

@@ -18,12 +18,12 @@ cache code.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from expertcache.validation import is_dense
+from expertcache.validation import check_int, is_dense
 
 #: Byte alignment of every region inside a buffer.
 ALIGNMENT = 256
@@ -33,11 +33,27 @@ REQUIRED = ("w1", "w2")
 
 @dataclass(frozen=True, slots=True)
 class ExpertTensorSpec:
-    """One registered per-expert tensor: ``name``, ``shape`` of one expert, ``dtype``."""
+    """One registered per-expert tensor: ``name``, ``shape`` of one expert, ``dtype``.
+
+    Raises:
+        TypeError / ValueError: on construction, a name that is not a str, a shape that is
+            not a sequence of ints >= 0 (numpy's too; stored as a tuple of ints, so specs
+            compare equal however the shape was spelled), a dtype that is not a torch.dtype.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"a tensor spec's name must be a str, got {type(self.name).__name__}")
+        if isinstance(self.shape, (str, bytes, torch.Tensor)) or not isinstance(self.shape, Sequence):
+            raise TypeError(f"spec {self.name!r}: shape must be a sequence of ints, got {self.shape!r:.40}")
+        shape = tuple(check_int(f"spec {self.name!r}: shape entry", size, minimum=0) for size in self.shape)
+        object.__setattr__(self, "shape", shape)
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"spec {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r:.40}")
 
     @property
     def nbytes(self) -> int:
@@ -54,10 +70,23 @@ class ExpertLayout:
     """The registered tensors of one expert and how buffers of experts are laid out.
 
     Attributes:
-        specs: the registered tensors, ``w1`` and ``w2`` first, then the rest by name.
+        specs: the registered tensors, ``w1`` and ``w2`` first, then the rest by name
+            (`layout_from_weights`' order). Any sequence is stored as a tuple.
+
+    Raises:
+        TypeError / ValueError: on construction, specs that are not `ExpertTensorSpec`, none,
+            or two of one name.
     """
 
     specs: tuple[ExpertTensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.specs, Sequence) or not all(isinstance(s, ExpertTensorSpec) for s in self.specs):
+            raise TypeError(f"specs must be a sequence of ExpertTensorSpec, got {self.specs!r:.60}")
+        object.__setattr__(self, "specs", tuple(self.specs))
+        names = [spec.name for spec in self.specs]
+        if not names or len(set(names)) < len(names):
+            raise ValueError(f"a layout needs at least one tensor and distinct names, got {names}")
 
     @property
     def expert_bytes(self) -> int:
@@ -122,9 +151,9 @@ def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, Exper
 
     Raises:
         TypeError: ``weights`` is not a mapping of names to dense (strided) tensors.
-        ValueError: ``w1`` or ``w2`` is missing, a tensor has no expert dimension or lives
-            on the meta device, the tensors disagree on the number of experts, or
-            ``w1``/``w2`` shapes disagree.
+        ValueError: ``w1`` or ``w2`` is missing or holds no value per expert, a tensor has
+            no expert dimension or lives on the meta device, the tensors disagree on the
+            number of experts, or ``w1``/``w2`` shapes disagree.
     """
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights must map names to tensors, got {type(weights).__name__}")
@@ -146,6 +175,9 @@ def layout_from_weights(weights: Mapping[str, torch.Tensor]) -> tuple[int, Exper
     num_experts = counts["w1"]
     if num_experts < 1:
         raise ValueError("weights hold no experts (first dimension is 0)")
+    for name in REQUIRED:  # an expert of no bytes: nothing to cache, and no manifest or plan takes it
+        if math.prod(weights[name].shape[1:]) == 0:
+            raise ValueError(f"weights[{name!r}] holds no value per expert (shape {tuple(weights[name].shape)})")
     _check_matrix_shapes(weights["w1"], weights["w2"])
     rest = sorted(name for name in weights if name not in REQUIRED)
     specs = tuple(

@@ -4,7 +4,7 @@ Built from the live objects, not from arithmetic on the configuration: the slot 
 bytes are the size of its GPU buffer's storage, the host bytes the size of each backing
 store's buffer (pinned ones counted as pinned), so the manifest shows what the
 process holds. One provider gives a layer's manifest; several (a model) give the sum,
-each shared pool counted once::
+each shared pool and each store shared by several layers counted once::
 
     {"tensors": [{"name", "shape", "dtype", "bytes"}], "layers", "experts", "expert_bytes",
      "num_slots", "pool_gpu_bytes", "host_bytes", "pinned_host_bytes",
@@ -80,7 +80,7 @@ class Manifest:
         expert_bytes: bytes of one expert (all its tensors): what one miss copies, one slot holds.
         num_slots: slots of the distinct pools.
         pool_gpu_bytes: bytes of the distinct pools' slot buffers.
-        host_bytes: bytes of the backing stores' buffers.
+        host_bytes: bytes of the backing stores' buffers (a store several layers share once).
         pinned_host_bytes: the part of ``host_bytes`` that is pinned (page-locked).
         full_residency_gpu_bytes: bytes the same experts take fully resident (unpadded).
         gpu_bytes_freed: ``full_residency_gpu_bytes - pool_gpu_bytes`` (negative if larger).
@@ -242,17 +242,20 @@ def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:
     """The manifest of ``providers`` (one layer, or every cached layer of a model).
 
     Raises:
-        ValueError: no provider, or providers whose tensors differ.
+        ValueError: no provider, a provider listed twice, or providers whose tensors differ.
     """
     if not providers:
         raise ValueError("a manifest needs at least one provider")
+    if len({id(provider) for provider in providers}) < len(providers):
+        raise ValueError("a provider is listed twice: a manifest counts each cached layer once")
     layout = providers[0].pool.layout
     for provider in providers[1:]:
         layout.check_compatible(provider.pool.layout, what="a provider")
     pools = {id(provider.pool): provider.pool for provider in providers}.values()
     stores = [provider.store for provider in providers]
+    distinct = list({id(store): store for store in stores}.values())  # a store layers share is held once
     pool_bytes = sum(t.untyped_storage().nbytes() for pool in pools for t in pool.tensors.values())
-    host = [store.buffer.untyped_storage().nbytes() for store in stores]
+    host = [store.buffer.untyped_storage().nbytes() for store in distinct]
     full = sum(store.num_experts for store in stores) * layout.expert_bytes
     compressions = sorted({str(store.compression) for store in stores if store.compression})
     stored = sum(store.num_experts * store.stored_expert_bytes for store in stores)
@@ -267,7 +270,7 @@ def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:
         num_slots=sum(pool.num_slots for pool in pools),
         pool_gpu_bytes=pool_bytes,
         host_bytes=sum(host),
-        pinned_host_bytes=sum(n for n, store in zip(host, stores, strict=True) if store.pinned),
+        pinned_host_bytes=sum(n for n, store in zip(host, distinct, strict=True) if store.pinned),
         full_residency_gpu_bytes=full,
         gpu_bytes_freed=full - pool_bytes,
         device=str(providers[0].device),

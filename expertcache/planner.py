@@ -161,7 +161,8 @@ def plan(
 
     Raises:
         TypeError / ValueError: any argument of the wrong type or out of range (an empty
-            trace, an unknown or repeated policy, a fraction outside (0, 1], fewer model
+            trace, an unknown or repeated policy, a fraction outside (0, 1], no fraction and
+            a budget below the smallest cache (nothing to score), fewer model
             layers than the trace records, a bandwidth that is not a positive number, an
             ``expert_bytes`` above `expertcache.manifest.MAX_EXPERT_BYTES`, ``copy_bytes``
             above ``expert_bytes``, an unknown ``oversize``, an ``overlap_max_ids`` without
@@ -181,13 +182,18 @@ def plan(
                              "a coded record is never larger than the raw one")  # fmt: skip
     fractions = _check_fractions(fractions)
     if not (_finite_number(min_gain) and min_gain >= 0):
-        raise ValueError(f"min_gain must be a non-negative number, got {min_gain!r}")
+        raise ValueError(f"min_gain must be a non-negative number, got {min_gain!r:.40}")
     layers = model_layers or trace.num_layers
     experts = trace.num_experts
     allowed = cache_size_range(trace.top_k, experts)
     budget_slots = gpu_budget_bytes // expert_bytes
     layer_budget = min(experts, budget_slots // layers)
     sizes = layer_sizes(experts, fractions, [layer_budget] if layer_budget in allowed else [], smallest=allowed.start)
+    if not sizes:
+        raise ValueError(
+            f"nothing to score: fractions is empty and the budget buys {layer_budget} slots a layer, fewer than "
+            f"the smallest cache the runtime takes ({allowed.start}, the trace's top-k)"
+        )
     per_miss = expert_bytes if copy_bytes is None else copy_bytes
     cost = _Cost(trace.num_tokens, layers / trace.num_layers, per_miss, bandwidth_bytes_per_second)
     names = (*policies, "belady")
@@ -259,13 +265,18 @@ def _check_arguments(
         why = f"the trace records {trace.num_layers}"
         model_layers = _check_count("model_layers", model_layers, minimum=trace.num_layers, why=why)
     if bandwidth is not None and not (_finite_number(bandwidth) and bandwidth > 0):
-        raise ValueError(f"bandwidth_bytes_per_second must be a positive finite number or None, got {bandwidth!r}")
+        raise ValueError(f"bandwidth_bytes_per_second must be a positive finite number or None, got {bandwidth!r:.40}")
     return expert_bytes, budget, model_layers
 
 
 def _finite_number(value: object) -> bool:
-    """A finite real number of any type (numpy's too), never a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number of any type (numpy's too), never a bool, and within a float's range."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past a float (10**400): no rate, gain or fraction is that large
+        return False
 
 
 def _check_count(name: str, value: object, *, minimum: int, why: str = "") -> int:
@@ -282,7 +293,7 @@ def _check_fractions(fractions: Sequence[float]) -> tuple[float, ...]:
     values = tuple(fractions)
     for fraction in values:
         if not (_finite_number(fraction) and 0 < fraction <= 1):
-            raise ValueError(f"fractions must be numbers in (0, 1], got {fraction!r}")
+            raise ValueError(f"fractions must be numbers in (0, 1], got {fraction!r:.40}")
     return tuple(float(fraction) for fraction in values)
 
 

@@ -25,9 +25,12 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from expertcache.compression import COMPRESSIONS, FLOAT16_FIELDS, ExponentCode, RecordFormat, analyse, write_records
-from expertcache.compression import decode_records_torch as decode_records
+from expertcache.compression import COMPRESSIONS
 from expertcache.errors import PinBudgetError
+from expertcache.exponent_analysis import analyse
+from expertcache.exponent_code import FLOAT16_FIELDS, ExponentCode, RecordFormat
+from expertcache.exponent_decode import decode_records_torch as decode_records
+from expertcache.exponent_records import write_records
 from expertcache.layout import ExpertLayout, ExpertTensorSpec, layout_from_weights
 from expertcache.validation import check_flag, check_int, check_pin_budget_bytes, resolve_device
 
@@ -148,7 +151,9 @@ class CPUBackingStore:
                 else:
                     raw[spec.name] = region.view(spec.dtype).view(num_experts, *spec.shape)
                     raw[spec.name].copy_(weights[spec.name].detach())
-            self.tensors: Mapping[str, torch.Tensor] = _StoredTensors(self, raw) if self.records else raw
+            self.tensors: Mapping[str, torch.Tensor] = (
+                _StoredTensors(layout, raw, self.records, self.formats) if self.records else raw
+            )
 
     @property
     def nbytes(self) -> int:
@@ -167,10 +172,7 @@ class CPUBackingStore:
         Raises:
             KeyError: ``name`` is not registered (the message lists the names that are).
         """
-        for spec in self.layout.specs:
-            if spec.name == name:
-                return spec
-        raise KeyError(f"{name!r} is not a registered tensor; the store holds {[s.name for s in self.layout.specs]}")
+        return _spec(self.layout, name)
 
     def expert(self, name: str, index: int) -> torch.Tensor:
         """Expert ``index``'s tensor ``name`` ``[*shape]``: a view (raw) or a decoded copy (coded).
@@ -186,24 +188,40 @@ class CPUBackingStore:
         return decode_records(self.records[name][index : index + 1], self.formats[name]).view(spec.shape)
 
 
-class _StoredTensors(Mapping):
-    """``{name: [E, *shape]}`` of a compressed store: raw views, coded names decoded on access."""
+def _spec(layout: ExpertLayout, name: object) -> ExpertTensorSpec:
+    for spec in layout.specs:
+        if spec.name == name:
+            return spec
+    raise KeyError(f"{name!r} is not a registered tensor; the store holds {[s.name for s in layout.specs]}")
 
-    def __init__(self, store: CPUBackingStore, raw: dict[str, torch.Tensor]) -> None:
-        self._store, self._raw = store, raw
+
+class _StoredTensors(Mapping):
+    """``{name: [E, *shape]}`` of a compressed store: raw views, coded names decoded on access.
+
+    It holds the store's parts, not the store: a reference back would make a cycle that
+    keeps the (pinned) buffer until the garbage collector happens to run."""
+
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        raw: dict[str, torch.Tensor],
+        records: dict[str, torch.Tensor],
+        formats: dict[str, RecordFormat],
+    ) -> None:
+        self._layout, self._raw, self._records, self._formats = layout, raw, records, formats
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._raw:
             return self._raw[name]
-        spec = self._store.spec(name)  # KeyError if absent: `in` and `get` rely on it
-        records = self._store.records[name]
-        return decode_records(records, self._store.formats[name]).view(records.shape[0], *spec.shape)
+        spec = _spec(self._layout, name)  # KeyError if absent: `in` and `get` rely on it
+        records = self._records[name]
+        return decode_records(records, self._formats[name]).view(records.shape[0], *spec.shape)
 
     def __iter__(self) -> Iterator[str]:
-        return (spec.name for spec in self._store.layout.specs)
+        return (spec.name for spec in self._layout.specs)
 
     def __len__(self) -> int:
-        return len(self._store.layout.specs)
+        return len(self._layout.specs)
 
 
 def check_compression(compression: object, layout: ExpertLayout) -> None:

@@ -22,9 +22,12 @@ import json
 import pytest
 import torch
 
-import expertcache.compression as compression
-from expertcache.compression import Analysis, ExponentCode, RecordFormat, analyse, encode, write_records
+import expertcache.exponent_blocks as exponent_blocks
+from expertcache.compression import encode
+from expertcache.exponent_analysis import Analysis, analyse
+from expertcache.exponent_code import ExponentCode, RecordFormat
 from expertcache.exponent_decode import decode_records_torch
+from expertcache.exponent_records import write_records
 from expertcache.kernels.copy_experts import CopyPlan
 from expertcache.kernels.decode_copy import build_decode_segments, decode_copy, decode_copy_torch
 from expertcache.manifest import Manifest, TensorEntry
@@ -46,7 +49,7 @@ def test_writing_a_tensor_that_does_not_fit_the_analysis_writes_nothing(monkeypa
     analysis = analyse(tensor, CODE)
     other = tensor.clone()
     other[2] = torch.logspace(-30, 30, 40).bfloat16()  # the last step's expert: exponents far apart
-    monkeypatch.setattr(compression, "_VALUES_PER_STEP", per_step)
+    monkeypatch.setattr(exponent_blocks, "VALUES_PER_STEP", per_step)
     out = torch.full((3, analysis.format.record_bytes), 7, dtype=torch.uint8)
     with pytest.raises(ValueError, match="tensor does not fit the analysis"):
         write_records(other, analysis, out)

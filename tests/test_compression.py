@@ -8,7 +8,10 @@ import pytest
 import torch
 from conftest import devices
 
-from expertcache.compression import ExponentCode, analyse, decode_records_torch, encode
+from expertcache.compression import encode
+from expertcache.exponent_analysis import analyse
+from expertcache.exponent_code import ExponentCode
+from expertcache.exponent_decode import decode_records_torch
 from expertcache.kernels.copy_experts import CopyPlan
 from expertcache.kernels.decode_copy import build_decode_segments, decode_copy, decode_copy_torch, scratch_bytes
 

@@ -9,10 +9,12 @@ import pytest
 import torch
 from test_compression import bits, coded_weights, with_specials
 
-import expertcache.compression as compression
+import expertcache.exponent_blocks as exponent_blocks
 import expertcache.store as store_module
 from expertcache import SlotPool
-from expertcache.compression import ExponentCode, encode
+from expertcache.compression import encode
+from expertcache.exponent_code import ExponentCode
+from expertcache.exponent_decode import decode_records_torch
 from expertcache.store import CPUBackingStore, encoding_device
 
 ENCODE_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -31,12 +33,12 @@ def experts(dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 def test_encoding_on_a_device_writes_the_cpu_bytes(monkeypatch, device, dtype, per_step):
     tensor, code = experts(dtype), ExponentCode(dtype, 3, 64)
     fmt, expected = encode(tensor, code)  # the CPU path, one step
-    monkeypatch.setattr(compression, "_VALUES_PER_STEP", per_step)
+    monkeypatch.setattr(exponent_blocks, "VALUES_PER_STEP", per_step)
     for source in (tensor, tensor.to(device)):  # CPU experts moved a step at a time; experts already there
         got_fmt, records = encode(source, code, device=device)
         assert got_fmt == fmt and records.device.type == "cpu"
         assert torch.equal(records, expected)
-    assert torch.equal(bits(compression.decode_records_torch(expected, fmt)), bits(tensor.reshape(7, -1)))
+    assert torch.equal(bits(decode_records_torch(expected, fmt)), bits(tensor.reshape(7, -1)))
 
 
 def test_steps_of_one_expert_write_the_bytes_of_one_step(monkeypatch):
@@ -44,7 +46,7 @@ def test_steps_of_one_expert_write_the_bytes_of_one_step(monkeypatch):
     tensor = with_specials((torch.randn(5, 9000, generator=torch.Generator().manual_seed(2)) * 0.02), 1)
     code = ExponentCode(torch.bfloat16)
     _, whole = encode(tensor.to(torch.bfloat16), code)
-    monkeypatch.setattr(compression, "_VALUES_PER_STEP", 1)
+    monkeypatch.setattr(exponent_blocks, "VALUES_PER_STEP", 1)
     _, stepped = encode(tensor.to(torch.bfloat16), code)
     assert torch.equal(whole, stepped)
 

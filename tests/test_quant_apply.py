@@ -23,18 +23,9 @@ from expertcache.kernels import moe_apply_quant, moe_apply_quant_grouped, moe_ap
 from expertcache.kernels.quant_apply import Tile, launch_down, launch_gate_up
 from expertcache.kernels.quant_common import E2M1_PAIR_UNSCALE, FORMAT_CODES, e2m1_pair_to_float, quant_operands
 from expertcache.kernels.quant_passes import QUANT_GROUPED_MIN_PAIRS
-from expertcache.quant import (
-    FP8_BLOCK_128,
-    FP8_PER_TENSOR,
-    GPT_OSS_BF16,
-    GPT_OSS_MXFP4,
-    QuantScheme,
-    dequantize_experts,
-    quantize_experts,
-    unquantized,
-    weights_of,
-)
+from expertcache.quant import FP8_BLOCK_128, FP8_PER_TENSOR, GPT_OSS_BF16, GPT_OSS_MXFP4, QuantScheme, unquantized
 from expertcache.quant_mxfp4 import E2M1_VALUES
+from expertcache.quant_tensors import dequantize_experts, quantize_experts, weights_of
 
 SCHEMES = [
     pytest.param(FP8_PER_TENSOR, id="fp8-tensor"),

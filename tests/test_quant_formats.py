@@ -10,16 +10,7 @@ import pytest
 import torch
 from helpers import random_topk
 
-from expertcache.quant import (
-    FP8_BLOCK_128,
-    FP8_PER_TENSOR,
-    GPT_OSS_MXFP4,
-    QuantScheme,
-    dequantize_experts,
-    gated_moe_forward,
-    quant_moe_forward,
-    quantize_experts,
-)
+from expertcache.quant import FP8_BLOCK_128, FP8_PER_TENSOR, GPT_OSS_MXFP4, QuantScheme
 from expertcache.quant_fp8 import (
     FP8_MAX,
     dequantize_fp8_blocks,
@@ -28,7 +19,8 @@ from expertcache.quant_fp8 import (
     quantize_fp8_per_tensor,
 )
 from expertcache.quant_mxfp4 import E2M1_VALUES, dequantize_mxfp4, mxfp4_groups, quantize_mxfp4
-from expertcache.reference import moe_forward
+from expertcache.quant_tensors import dequantize_experts, quantize_experts
+from expertcache.reference import gated_moe_forward, moe_forward, quant_moe_forward
 
 
 def _transformers(module: str):

@@ -30,14 +30,9 @@ from expertcache import CachedWeightProvider
 from expertcache.integrations.transformers.packed_models import Mxfp4Experts
 from expertcache.integrations.transformers.quantized import dequant_experts_forward, quant_experts_forward
 from expertcache.kernels import moe_apply_quant, moe_apply_quant_grouped, moe_apply_quant_passes, moe_apply_quant_torch
-from expertcache.quant import (
-    GPT_OSS_BF16,
-    GPT_OSS_MXFP4,
-    QuantScheme,
-    dequantize_experts,
-    gated_moe_forward,
-    quantize_experts,
-)
+from expertcache.quant import GPT_OSS_BF16, GPT_OSS_MXFP4, QuantScheme
+from expertcache.quant_tensors import dequantize_experts, quantize_experts
+from expertcache.reference import gated_moe_forward
 
 EXPERTS, HIDDEN, INTER = 3, 32, 16
 BLOCK16 = QuantScheme("fp8", fp8_block=(16, 16))

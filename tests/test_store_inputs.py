@@ -9,12 +9,17 @@ import pytest
 import torch
 from helpers import random_weights
 
-from expertcache.compression import ExponentCode, analyse, decode_records_torch, encode, write_records
+from expertcache.compression import encode
+from expertcache.exponent_analysis import analyse
+from expertcache.exponent_code import ExponentCode
+from expertcache.exponent_decode import decode_records_torch
+from expertcache.exponent_records import write_records
 from expertcache.layout import layout_from_weights
 from expertcache.manifest import Manifest
-from expertcache.quant import FP8_PER_TENSOR, GPT_OSS_MXFP4, QuantScheme, quantize_experts
+from expertcache.quant import FP8_PER_TENSOR, GPT_OSS_MXFP4, QuantScheme
 from expertcache.quant_fp8 import quantize_fp8_blocks
 from expertcache.quant_mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from expertcache.quant_tensors import quantize_experts
 from expertcache.store import CPUBackingStore
 
 

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from expertcache.compression import HEADER_BYTES, decode_records_torch
+from expertcache.exponent_code import HEADER_BYTES
+from expertcache.exponent_decode import decode_records_torch
 from expertcache.kernels._launch import chained, runs_on
 from expertcache.kernels.copy_experts import CopyPlan, MappedHostPointer, warps_for
 from expertcache.kernels.decode_segments import (  # noqa: F401 (re-exported: the launcher's arguments)

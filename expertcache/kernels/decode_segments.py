@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import triton
 
-from expertcache.compression import RecordFormat
+from expertcache.exponent_code import RecordFormat
 
 #: Coded slot tensors one launch writes (kernel arguments ``slots0 .. slots3``).
 MAX_TENSORS = 4

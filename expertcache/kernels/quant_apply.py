@@ -1,7 +1,7 @@
 """Expert apply on quantised weights for decode-sized calls: GEMV, dequantised in registers.
 
 ``moe_apply_quant(hidden, weights, topk_weights, topk_ids, scheme=...)`` computes what
-`expertcache.quant.quant_moe_forward` computes (the scheme's gated MLP on the dequantised
+`expertcache.reference.quant_moe_forward` computes (the scheme's gated MLP on the dequantised
 weights), reading the packed ``[N, ...]`` tensors of a slot pool (slot ids) or of all-resident
 experts (expert ids) in place: fp8 e4m3 with block or per-tensor scales, GPT-OSS MXFP4
 with biases, or unquantised bf16/fp16/fp32 weights (format ``"none"``, e.g. ``GPT_OSS_BF16``:
@@ -46,7 +46,9 @@ from expertcache.kernels.quant_common import (
     quant_operands,
     reduction_block,
 )
-from expertcache.quant import QuantScheme, quant_moe_forward, weights_of
+from expertcache.quant import QuantScheme
+from expertcache.quant_tensors import weights_of
+from expertcache.reference import quant_moe_forward
 from expertcache.result import ExpertWeightResult
 from expertcache.validation import check_flag
 

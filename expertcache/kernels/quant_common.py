@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from expertcache.kernels._launch import runs_on
-from expertcache.quant import UNQUANTIZED_DTYPES, QuantScheme, check_router_call, check_scheme, check_unregistered
+from expertcache.quant import UNQUANTIZED_DTYPES, QuantScheme
+from expertcache.quant_checks import check_router_call, check_scheme, check_unregistered
 from expertcache.quant_mxfp4 import GROUP, mxfp4_groups
 
 FORMAT_FP8, FORMAT_MXFP4, FORMAT_NONE = 0, 1, 2

@@ -41,7 +41,8 @@ from expertcache.kernels.quant_common import (
     quant_operands,
     reduction_block,
 )
-from expertcache.quant import QuantScheme, weights_of
+from expertcache.quant import QuantScheme
+from expertcache.quant_tensors import weights_of
 from expertcache.result import ExpertWeightResult
 from expertcache.validation import check_flag
 

@@ -18,7 +18,8 @@ from expertcache.kernels.apply_passes import PassLaunch, sum_over_passes
 from expertcache.kernels.quant_apply import launch_quant_pairs
 from expertcache.kernels.quant_common import FORMAT_FP8, FORMAT_MXFP4, FORMAT_NONE, quant_operands
 from expertcache.kernels.quant_grouped import launch_quant_grouped_pairs, quant_tiles
-from expertcache.quant import QuantScheme, weights_of
+from expertcache.quant import QuantScheme
+from expertcache.quant_tensors import weights_of
 from expertcache.result import ExpertWeightResult
 
 KERNELS = ("auto", "gemv", "grouped")

@@ -55,9 +55,10 @@ from expertcache.integrations.transformers.packed_tensors import (
     packed_operands,
 )
 from expertcache.integrations.transformers.pass_runs import PassSummer
-from expertcache.quant import check_router_call, gated_moe_forward
+from expertcache.quant_checks import check_router_call
 from expertcache.quant_fp8 import dequantize_fp8_blocks
 from expertcache.quant_mxfp4 import dequantize_mxfp4
+from expertcache.reference import gated_moe_forward
 from expertcache.result import ExpertWeightResult
 
 __all__ = [
