@@ -18,7 +18,6 @@ from collections.abc import Generator, Hashable, Iterator, Mapping
 import numpy as np
 import torch
 
-from expertcache.config import check_device_index
 from expertcache.layout import layout_from_weights
 from expertcache.manifest import Manifest, build_manifest
 from expertcache.policies import EvictionPolicy
@@ -91,7 +90,6 @@ class CachedWeightProvider(ExpertWeightProvider):
             target = pool.device
         else:
             _check_cache_size(cache_size, num_local)
-            check_device_index(device)  # before torch reads "cuda:256" as cuda:0
             target = resolve_device(device)
         global_to_local = (
             torch.arange(num_local, dtype=torch.int32)

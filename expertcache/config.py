@@ -37,7 +37,7 @@ import torch
 
 from expertcache.compression import COMPRESSIONS
 from expertcache.policies import POLICIES
-from expertcache.validation import check_int, check_pin_budget_bytes
+from expertcache.validation import check_device_index, check_int, check_pin_budget_bytes
 
 #: Values of ``compression`` (and ``--moe-expert-cache-compression``); "none" means None.
 COMPRESSION_CHOICES = ("none", *COMPRESSIONS)
@@ -159,23 +159,6 @@ def _device_name(device: object) -> str:
     if parsed.type != "cuda":
         raise ValueError(f"unsupported device {device!r}; the expert cache serves CUDA devices or the CPU")
     return str(parsed)
-
-
-def check_device_index(device: object) -> None:
-    """Refuse a device string whose index torch would wrap: it keeps an 8-bit index, so
-    ``torch.device("cuda:256")`` is ``cuda:0`` and ``"cuda:1000"`` is ``cuda:-24``.
-
-    Raises:
-        ValueError: ``device`` is a str that torch reads as another device.
-    """
-    if not isinstance(device, str):
-        return
-    try:
-        parsed = str(torch.device(device))
-    except (RuntimeError, ValueError):
-        return  # not a device at all: the caller's own check says so
-    if parsed != device:
-        raise ValueError(f"device {device!r}: no such device index (torch would read it as {parsed!r})")
 
 
 def check_mode_runs_here(mode: str, device: str | torch.device | None = None) -> None:

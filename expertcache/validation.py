@@ -23,6 +23,7 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+    check_device_index(device)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -39,6 +40,23 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
     if index >= torch.cuda.device_count():
         raise ValueError(f"device {dev} does not exist: {torch.cuda.device_count()} CUDA device(s)")
     return torch.device("cuda", index)
+
+
+def check_device_index(device: object) -> None:
+    """Refuse a device string whose index torch would wrap: it keeps an 8-bit index, so
+    ``torch.device("cuda:256")`` is ``cuda:0`` and ``"cuda:1000"`` is ``cuda:-24``.
+
+    Raises:
+        ValueError: ``device`` is a str that torch reads as another device.
+    """
+    if not isinstance(device, str):
+        return
+    try:
+        parsed = str(torch.device(device))
+    except (RuntimeError, ValueError):
+        return  # not a device at all: the caller's own check says so
+    if parsed != device:
+        raise ValueError(f"device {device!r}: no such device index (torch would read it as {parsed!r})")
 
 
 def check_mode_device(device: torch.device) -> None:

@@ -61,6 +61,8 @@ def test_a_device_index_torch_would_wrap_is_refused(device):
         ExpertCacheConfig(cache_size=2, device=device)
     with pytest.raises(ValueError, match=f"device '{device}': no such device index"):
         CachedWeightProvider(_weights(), cache_size=2, device=device)
+    with pytest.raises(ValueError, match=f"device '{device}': no such device index"):
+        SlotPool.for_weights(_weights(), 2, device=device)  # every device a pool or an encoder takes
     assert ExpertCacheConfig(cache_size=2, device="cuda:127").device == "cuda:127"
     assert ExpertCacheConfig(cache_size=2, device="cpu:0").device == "cpu"
 
