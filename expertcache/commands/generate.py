@@ -265,10 +265,7 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     )
     if recorder is not None:
         recorder.begin_request()
-    if args.graphs:
-        run = _graphed_run(model, input_ids, args.max_new_tokens)
-    else:
-        run = greedy_generate(model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="generate")
+    run = _cached_run(args, model, input_ids)
     _print_output(run, input_ids, tokenizer)
     stats = handle.stats.total
     print(
@@ -295,6 +292,22 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
             "batched_mm or expertcache_quant is bit-identical)"
         )
     return 0 if same else 1
+
+
+def _cached_run(args, model, input_ids):
+    """The generation through the cache. An experts implementation that cannot run here (a
+    kernel it imports is missing: transformers' sonicmoe off CUDA, a hub kernel) raises
+    ImportError at its first call: bad input, one line, not a traceback."""
+    from expertcache.integrations.transformers.generation import greedy_generate
+
+    try:
+        if args.graphs:
+            return _graphed_run(model, input_ids, args.max_new_tokens)
+        return greedy_generate(model, input_ids, args.max_new_tokens, stop_at_eos=True, progress="generate")
+    except ImportError as error:
+        name = args.experts_implementation or ("batched_mm" if args.graphs else None)
+        which = f"the experts implementation {name!r}" if name else "the model's experts implementation"
+        raise ValueError(f"{which} cannot run here ({error}); choose another with --experts-implementation") from None
 
 
 def _graphed_run(model, input_ids, max_new_tokens):

@@ -36,6 +36,7 @@ class Bucket:
     warm_steps: int = 0
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [size, V], the graph's output
+    addresses: Any = None  # graph_capture.Addresses: what the graph reads outside these buffers
 
 
 @dataclass(frozen=True, slots=True)

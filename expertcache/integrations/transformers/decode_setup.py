@@ -145,7 +145,11 @@ def _experts_implementation(module: nn.Module) -> str | None:
         return binding.implementation if selection is None else dispatch.chosen_implementation(selection)
     if getattr(type(module).forward, "__wrapped__", None) is None or not hasattr(module, "is_transposed"):
         return None  # not an experts block of transformers' registry
-    named = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    config = getattr(module, "config", None)
+    selection = dispatch.served_selection(config)  # a served model's config copy: what it stands for
+    if selection is not None:
+        return dispatch.chosen_implementation(selection)
+    named = getattr(config, "_experts_implementation", None)
     return None if named is None else str(named)
 
 

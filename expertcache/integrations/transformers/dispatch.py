@@ -26,7 +26,8 @@ A forward pre-hook on each served module keeps two promises at every call: an
 implementation chosen with ``model.set_experts_implementation(...)`` while served is
 followed (the cache keeps serving, now wrapping that one; ``disable()`` leaves it
 selected), and a dtype change of the model (``model.to(torch.bfloat16)``), which the
-cached experts do not follow, is refused with an error saying what to do.
+cached experts do not follow, is refused with an error saying what to do. A `SaveGuard`
+refuses ``state_dict()``, ``copy.deepcopy`` and pickling of a served module (`save_guard`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import nn
 from expertcache.cached_provider import CachedWeightProvider
 from expertcache.integrations.transformers.inference_only import without_backward
 from expertcache.integrations.transformers.pass_runs import run_call
+from expertcache.integrations.transformers.save_guard import SaveGuard
 from expertcache.trace.recorder import RoutingRecorder
 
 #: The name under which the cache is registered in transformers' experts registry.
@@ -78,6 +80,7 @@ class Binding:
         implementation: the registry name ``inner`` was resolved from.
         dtypes: parameter name -> dtype of the cached experts (checked at every call).
         hook: the handle of the module's forward pre-hook (removed by `unbind`).
+        guard: the handle of its `save_guard.SaveGuard` (removed by `unbind`).
     """
 
     provider: CachedWeightProvider
@@ -89,9 +92,14 @@ class Binding:
     implementation: str = "eager"
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     hook: object = None
+    guard: object = None
 
 
 _BINDINGS: weakref.WeakKeyDictionary[nn.Module, Binding] = weakref.WeakKeyDictionary()
+
+#: id of a served model's config copy -> its Selection (a Selection holds its config, so the
+#: id is not reused while the entry lives; weak: gone with the handle).
+_SERVED_CONFIGS: weakref.WeakValueDictionary[int, Selection] = weakref.WeakValueDictionary()
 
 
 def bind(module: nn.Module, binding: Binding) -> None:
@@ -100,12 +108,16 @@ def bind(module: nn.Module, binding: Binding) -> None:
         raise RuntimeError(f"{type(module).__name__} is already served by an expert cache")
     _BINDINGS[module] = binding
     binding.hook = module.register_forward_pre_hook(_before_forward)
+    binding.guard = module.register_state_dict_pre_hook(SaveGuard(type(module).__name__))
 
 
 def unbind(module: nn.Module) -> None:
     binding = _BINDINGS.pop(module, None)
-    if binding is not None and binding.hook is not None:
-        binding.hook.remove()  # type: ignore[attr-defined]
+    if binding is None:
+        return
+    for hook in (binding.hook, binding.guard):
+        if hook is not None:
+            hook.remove()  # type: ignore[attr-defined]
 
 
 def is_bound(module: nn.Module) -> bool:
@@ -151,6 +163,24 @@ def original_forward(module: nn.Module) -> ExpertsFunction:
     while getattr(forward, "__code__", None) is dispatcher.__code__:
         forward = forward.__wrapped__
     return forward
+
+
+def serve_config(selection: Selection, served: bool = True) -> None:
+    """Record (or, ``served=False``, forget) that ``selection.config`` is a served model's copy."""
+    if served:
+        _SERVED_CONFIGS[id(selection.config)] = selection
+    elif _SERVED_CONFIGS.get(id(selection.config)) is selection:
+        del _SERVED_CONFIGS[id(selection.config)]
+
+
+def served_selection(config: object) -> Selection | None:
+    """The Selection of a served model's config copy ``config`` (which names the cache), or None.
+
+    Another model built from that copy (``from_config(served.config)``) holds it too, unserved:
+    its modules run the implementation the copy stands for, and a cache of its own wraps that.
+    """
+    selection = _SERVED_CONFIGS.get(id(config))
+    return selection if selection is not None and selection.config is config else None
 
 
 def chosen_implementation(selection: Selection) -> str:
@@ -218,6 +248,9 @@ def expertcache_experts_forward(
     """
     binding = _BINDINGS.get(self)
     if binding is None:
+        selection = served_selection(getattr(self, "config", None))
+        if selection is not None:  # a model built from a served model's config: not served
+            return resolve(self, chosen_implementation(selection))(self, hidden_states, top_k_index, top_k_weights)
         raise RuntimeError(
             f"{type(self).__name__}'s config selects the {IMPLEMENTATION_NAME!r} experts "
             f"implementation, but no expert cache serves this module: call "
@@ -230,6 +263,7 @@ def expertcache_experts_forward(
         f"layer {binding.layer}'s {type(self).__name__}",
         hidden_states,
         top_k_weights,
+        (getattr(self, name) for name in binding.parameter_of.values()),
     )
 
 

@@ -142,6 +142,7 @@ def enable_expert_cache(
         dispatch.bind(item.block.module, _binding(item, function, recorder, selection, name))
     for selection in handle._selections.values():
         dispatch.set_config_implementation(selection.config, dispatch.IMPLEMENTATION_NAME)
+        dispatch.serve_config(selection)
     return handle
 
 
@@ -233,9 +234,17 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> tuple[str,
     if not dispatch.register(interface):
         reason = "dispatches through an experts registry that the cache is not registered in"
         raise UnsupportedModelError(model_family(model), [(block.name, type(block.module).__name__, reason)])
-    previous = str(getattr(block.module, "config")._experts_implementation or "eager")  # noqa: B009
+    config = getattr(block.module, "config")  # noqa: B009 - set by the decorator
+    previous = str(config._experts_implementation or "eager")
     if previous == dispatch.IMPLEMENTATION_NAME:
-        raise RuntimeError(f"{block.name} already selects the {previous!r} experts implementation")
+        selection = dispatch.served_selection(config)  # built from a served model's config: what it wraps
+        if selection is None:
+            raise RuntimeError(
+                f"{block.name} selects the {previous!r} experts implementation, which no expert cache serves: "
+                f"select the implementation the cache should wrap (model.set_experts_implementation('grouped_mm'), "
+                f"'batched_mm', 'eager', ...), then enable the cache"
+            )
+        previous = dispatch.chosen_implementation(selection)
     try:
         return previous, dispatch.resolve(block.module, previous)
     except KeyError as error:  # a name transformers' setter took for another class's registry

@@ -19,8 +19,10 @@ the eager runner path, which the CPU tests compare token for token with ``model.
 
 Lifetime and threading: one generator per model, used from one thread; its static caches
 and graphs live as long as it does. Graphs capture the model's weights and the expert
-cache's buffers by address: build the generator after ``enable_expert_cache`` and drop it
-before ``handle.disable()`` (a graph replayed after that would read freed memory).
+cache's buffers by address: a request after they moved (``handle.disable()``,
+``enable_expert_cache``, ``model.to(dtype)``) captures its bucket's step again instead of
+replaying a graph that reads freed memory (`graph_capture.drop_stale_graph`). Drop the
+generator before ``handle.disable()`` all the same: its graphs hold their memory until then.
 
 This module holds the generator and `timed_generate`. A bucket's buffers and the model
 calls on them are `decode_buckets`' (`bucket_sizes` is re-exported here), a request's
@@ -47,7 +49,7 @@ from expertcache.integrations.transformers.decode_setup import (
     static_cache,
 )
 from expertcache.integrations.transformers.generation import GenerationRun
-from expertcache.integrations.transformers.graph_capture import capture, side_stream_step
+from expertcache.integrations.transformers.graph_capture import capture, drop_stale_graph, side_stream_step
 from expertcache.validation import check_int
 
 __all__ = ["GraphedGenerator", "bucket_sizes", "timed_generate"]
@@ -158,6 +160,7 @@ class GraphedGenerator:
         )  # fmt: skip
         max_new_tokens = request.max_new_tokens
         state = self._bucket(request.batch)
+        drop_stale_graph(state, self.model)  # a cache disabled or enabled since: captured again
         logits = self._calls.prefill(state, input_ids, request.mask)
         choose = functools.partial(
             choose_tokens, do_sample=request.do_sample, temperature=temperature, top_p=top_p, generator=generator
@@ -222,7 +225,7 @@ class GraphedGenerator:
                 state.warm_steps += 1
                 return side_stream_step(self._calls.forward, state, self.device)
             if state.graph is None:
-                capture(self._calls.forward, state)
+                capture(self._calls.forward, state, self.model)
             assert state.graph is not None and state.logits is not None
             state.graph.replay()
             self.replays += 1

@@ -165,6 +165,7 @@ class ExpertCacheHandle:
             put_back(item, restored)
         for selection in self._selections.values():
             dispatch.set_config_implementation(selection.config, dispatch.chosen_implementation(selection))
+            dispatch.serve_config(selection, served=False)
         self._model_configs.give_back()  # with the implementation chosen, if one was since enabling
         self._served = []  # drops the providers: the slots and the pinned store are freed
         self._final_stats = final

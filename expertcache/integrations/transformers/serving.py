@@ -122,10 +122,13 @@ def restored_weights(item: ServedBlock, device: torch.device | None = None) -> d
     """
     stored = item.provider.store.tensors
     weights = {}
-    for name, saved in item.saved.items():
-        target = saved.parameter.device if device is None else device
-        empty = torch.empty(saved.shape, dtype=saved.parameter.dtype, device=target)
-        weights[name] = empty.copy_(stored[item.block.cache_name(name)])
+    # ordinary tensors even under torch.inference_mode(): inference tensors as parameters
+    # would stop the model from ever taking gradients again, which it could before the cache
+    with torch.inference_mode(False):
+        for name, saved in item.saved.items():
+            target = saved.parameter.device if device is None else device
+            empty = torch.empty(saved.shape, dtype=saved.parameter.dtype, device=target)
+            weights[name] = empty.copy_(stored[item.block.cache_name(name)])
     return weights
 
 
