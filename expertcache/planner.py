@@ -181,6 +181,8 @@ def plan(
             raise ValueError(f"copy_bytes ({copy_bytes}) must be at most expert_bytes ({expert_bytes}): "
                              "a coded record is never larger than the raw one")  # fmt: skip
     fractions = _check_fractions(fractions)
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable progress(total) -> tick, or None; got {type(progress).__name__}")
     if not (_finite_number(min_gain) and min_gain >= 0):
         raise ValueError(f"min_gain must be a non-negative number, got {min_gain!r:.40}")
     layers = model_layers or trace.num_layers
@@ -197,7 +199,9 @@ def plan(
     per_miss = expert_bytes if copy_bytes is None else copy_bytes
     cost = _Cost(trace.num_tokens, layers / trace.num_layers, per_miss, bandwidth_bytes_per_second)
     names = (*policies, "belady")
-    tick = progress(2 * len(sizes) * len(names)) if progress else (lambda: None)
+    tick = progress(2 * len(sizes) * len(names)) if progress is not None else (lambda: None)
+    if not callable(tick):
+        raise TypeError(f"progress(total) must return a callable tick, got {type(tick).__name__}")
     rows: list[PlanRow] = []
     for scope in ("layer", "global"):
         streams = trace_calls(trace, scope=scope)

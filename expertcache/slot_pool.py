@@ -209,8 +209,6 @@ class SlotPool:
         self.layout.check_compatible(store.layout, what=f"layer {name!r}")
         if self.device.type == "cuda" and not store.pinned:
             raise ValueError("a store served to a GPU pool must be pinned (build it with pin=True)")
-        if self.policy is not None and not self.layers:  # the first layer binds the policy
-            claim_policy(self.policy, capacity=self.num_slots, owner=self)
         key_offset = self.tables.num_keys
         host_map = global_to_local.to(torch.int64).numpy()
         identity = np.array_equal(host_map, np.arange(store.num_experts))
@@ -219,18 +217,19 @@ class SlotPool:
             None if identity else global_to_local.to(self.device, torch.int32), host_map,
             copy_groups(store, self.device),
         )  # fmt: skip
-        self.tables = SlotTables.allocate(
-            key_offset + store.num_experts, self.num_slots, len(self.layers) + 1, self.device
-        )
+        tables = SlotTables.allocate(key_offset + store.num_experts, self.num_slots, len(self.layers) + 1, self.device)
+        ordered = [*self.ordered_layers, layer]
+        key_layer_host = np.concatenate([np.full(entry.num_experts, entry.index, dtype=np.int32) for entry in ordered])
+        key_layer = self.key_layer
+        if len(ordered) > 1:
+            with torch.inference_mode(False):
+                key_layer = torch.from_numpy(key_layer_host).to(self.device)
+        if self.policy is not None and not self.layers:  # the first layer binds the policy, once nothing can fail
+            claim_policy(self.policy, capacity=self.num_slots, owner=self)
+        self.tables, self.key_layer, self._key_layer_host = tables, key_layer, key_layer_host
         self.layers[name] = layer
         self.ordered_layers.append(layer)
         self._key_offsets.append(key_offset)
-        self._key_layer_host = np.concatenate(
-            [np.full(entry.num_experts, entry.index, dtype=np.int32) for entry in self.ordered_layers]
-        )
-        if len(self.layers) > 1:
-            with torch.inference_mode(False):
-                self.key_layer = torch.from_numpy(self._key_layer_host).to(self.device)
         return layer
 
     def _check_attached(self, layer: object) -> None:

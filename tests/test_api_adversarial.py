@@ -180,6 +180,26 @@ def test_a_plan_with_nothing_to_score_is_refused(trace):
     assert {row.slots for row in result.rows if row.scope == "layer"} == {4}  # the budget's size
 
 
+@pytest.mark.parametrize(
+    ("progress", "message"),
+    [(5, "progress must be a callable progress\\(total\\) -> tick, or None; got int"),
+     (lambda total: total, "progress\\(total\\) must return a callable tick, got int")],
+)  # fmt: skip
+def test_a_progress_that_is_no_callable_is_refused_by_name(trace, progress, message):
+    # before: "'int' object is not callable" from deep inside the replays
+    with pytest.raises(TypeError, match=message):
+        plan(trace, expert_bytes=1000, gpu_budget_bytes=8000, policies=["lru"], progress=progress)
+    ticks: list[int] = []
+    plan(
+        trace,
+        expert_bytes=1000,
+        gpu_budget_bytes=8000,
+        policies=["lru"],
+        progress=lambda total: lambda: ticks.append(total),
+    )
+    assert ticks and len(ticks) == ticks[0]  # one tick per replay, as many as announced
+
+
 # -- layouts: experts of no bytes, hand-made specs ------------------------------------------------
 
 

@@ -129,6 +129,36 @@ def test_attach_refuses_a_bad_global_to_local_map_and_changes_nothing(mode, mapp
     assert pool.prepare(layer, torch.tensor([[0, 7]], device=device)).tolist() == [[0, 1]]
 
 
+@pytest.mark.parametrize("failing", ["copy_groups", "allocate"])
+def test_an_attach_that_fails_leaves_its_policy_free_and_the_pool_as_before(monkeypatch, failing):
+    """The first attach binds the pool's policy instance; one that fails later (copy groups,
+    table allocation: out of memory) left the instance bound to a pool that serves nothing,
+    so no other pool could take it."""
+    from expertcache import slot_pool
+    from expertcache.kernels.slot_tables import SlotTables
+    from expertcache.policies import LRUPolicy
+
+    weights = random_weights(E, HIDDEN, INTER, generator=torch.Generator().manual_seed(9))
+    policy = LRUPolicy(4)
+    pool = SlotPool.for_weights(weights, 4, device="cpu", policy=policy)
+    tables = pool.tables
+
+    def fail(*args, **kwargs):
+        raise MemoryError("injected")
+
+    if failing == "copy_groups":
+        monkeypatch.setattr(slot_pool, "copy_groups", fail)
+    else:
+        monkeypatch.setattr(SlotTables, "allocate", fail)
+    with pytest.raises(MemoryError, match="injected"):
+        pool.attach("a", _store(weights, False), torch.arange(E, dtype=torch.int32))
+    monkeypatch.undo()
+    assert not pool.layers and pool.tables is tables and pool.key_layer is None
+    other = SlotPool.for_weights(weights, 4, device="cpu", policy=policy)  # the instance is free
+    layer = other.attach("a", _store(weights, False), torch.arange(E, dtype=torch.int32))
+    assert other.prepare(layer, torch.tensor([[0, 7]])).tolist() == [[0, 1]]
+
+
 def test_a_layer_name_that_is_no_dict_key_is_refused_by_name():
     weights = random_weights(E, HIDDEN, INTER, generator=torch.Generator().manual_seed(6))
     pool = SlotPool.for_weights(weights, 4, device="cpu")
