@@ -14,7 +14,7 @@ from test_plan import _trace
 
 from expertcache import CachedWeightProvider
 from expertcache.cli import main
-from expertcache.commands.plan import DEFAULT_EXPONENT_RATIO
+from expertcache.commands.plan_costs import DEFAULT_EXPONENT_RATIO
 from expertcache.metrics import start_metrics_server
 from expertcache.planner import plan
 

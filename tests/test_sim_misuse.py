@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from expertcache.cli import main
-from expertcache.commands.plan import format_table
+from expertcache.commands.plan_report import format_table
 from expertcache.planner import plan
 from expertcache.trace import RoutingTrace, load_trace
 from expertcache.trace.errors import TraceFileError

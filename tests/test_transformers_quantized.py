@@ -219,7 +219,7 @@ def test_a_call_in_passes_is_bit_identical_through_the_kernels(family, mode):
 
 def test_manifest_counts_packed_fp8_bytes(tmp_path):
     """What ``expertcache plan --manifest`` reads: fp8 values + fp32 scales, not bf16."""
-    from expertcache.commands.plan import read_manifest_sizes
+    from expertcache.commands.plan_costs import read_manifest_sizes
 
     model, _ = fp8_models("qwen3_moe")
     handle = enable_expert_cache(model, cache_size=CACHE_SIZE)

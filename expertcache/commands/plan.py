@@ -40,31 +40,27 @@ prefill) in passes one after the other.
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
-import io
-import math
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from expertcache.commands.arguments import MAX_COUNT, input_path, output_file, positive_number, whole_number
 from expertcache.commands.files import check_distinct
+from expertcache.commands.plan_costs import (
+    DEFAULT_EXPONENT_RATIO,
+    bytes_per_miss,
+    model_layers,
+    read_manifest_copy_bytes,
+    read_manifest_sizes,
+)
+from expertcache.commands.plan_report import describe, format_table, recommendation, render
 from expertcache.config import COMPRESSION_CHOICES
 from expertcache.file_writes import write_files
 from expertcache.manifest import MAX_EXPERT_BYTES
 from expertcache.passes import OVERLAP_MAX_IDS
-from expertcache.planner import RUNTIME_POLICIES, Plan, PlanRow, check_policies
+from expertcache.planner import RUNTIME_POLICIES, check_policies
 
 #: The largest --gpu-budget (GB) and --bandwidth (GB/s) taken: an exabyte, an exabyte a second.
 MAX_GIGABYTES = 1e9
-
-#: Coded / raw bytes of an exponent-coded bf16 expert when nothing better is known: the top
-#: of what ``benchmarks/compression_ratio.py`` and ``bench_compression.py`` measure on
-#: normal-initialised bf16 weights and the random families' experts with the default code
-#: (0.68-0.69). Trained weights, and fp16 (~0.87: its exponent is 5 bits), differ: measure
-#: with a manifest.
-DEFAULT_EXPONENT_RATIO = 0.69
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -169,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         oversize="overlapped" if args.overlapped_passes else "passes",
         overlap_max_ids=OVERLAP_MAX_IDS if args.overlapped_passes else None,
     )
-    print(_describe(trace, expert_bytes, layers, args))
+    print(describe(trace, expert_bytes, layers, args))
     if layers_note:
         print(layers_note)
     if copy_source:
@@ -179,102 +175,10 @@ def run(args: argparse.Namespace) -> int:
     # rendered first, then written together: a plot or a write that fails leaves no CSV behind
     columns = {"traced_layers": trace.num_layers, "model_layers": layers}
     name = trace.model or args.trace.name
-    write_files({path: _render(flag, result, name, columns) for flag, path in outputs.items()})
+    write_files({path: render(flag, result, name, columns) for flag, path in outputs.items()})
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
-
-
-def read_manifest_sizes(path: str | Path) -> tuple[int, int]:
-    """``(expert_bytes, experts per layer)`` from a manifest written by ``Manifest.write``.
-
-    Raises:
-        ValueError: anything `Manifest.read` refuses, or experts that do not split evenly
-            over the layers (the message names the file).
-    """
-    from expertcache.manifest import Manifest
-
-    try:
-        manifest = Manifest.read(path)
-    except ValueError as error:
-        raise ValueError(f"--manifest {error}") from None
-    if manifest.experts % manifest.layers:
-        raise ValueError(
-            f"--manifest {path}: {manifest.experts} experts do not split evenly over {manifest.layers} layers"
-        )
-    return manifest.expert_bytes, manifest.experts // manifest.layers
-
-
-def model_layers(traced: int, layers: int | None, manifest: str | Path | None) -> tuple[int, str]:
-    """``(MoE layers of the model, a line saying they come from the manifest or "")``.
-
-    The budget is split over these layers and per-token costs are scaled to them
-    (`expertcache.planner.plan`'s ``model_layers``): ``--layers`` when given; else the layers
-    of a manifest covering several (`expertcache.manifest.build_manifest` of every cached
-    layer: the model's); else the trace's. A manifest of one layer (``provider.manifest()``)
-    gives the expert sizes only.
-
-    Args:
-        traced: the layers the trace records.
-        layers: ``--layers`` (None: not given).
-        manifest: ``--manifest`` (None: not given), already checked by `read_manifest_sizes`.
-
-    Raises:
-        ValueError: ``--layers``, or a manifest of several layers, below ``traced``; or
-            ``--layers`` and such a manifest disagreeing.
-    """
-    from expertcache.manifest import Manifest
-
-    if layers is not None and layers < traced:
-        raise ValueError(f"--layers {layers} is fewer than the {traced} MoE layers the trace records")
-    covered = Manifest.read(manifest).layers if manifest is not None else 1
-    if covered == 1:  # no manifest, or one layer's: it says nothing of the model's layers
-        return layers or traced, ""
-    if covered < traced:
-        raise ValueError(
-            f"--manifest {manifest} covers {covered} MoE layers, fewer than the {traced} the trace records: the "
-            "plan would be for another model (a manifest of one layer, provider.manifest(), gives expert sizes only)"
-        )
-    if layers is not None and layers != covered:
-        raise ValueError(f"--layers {layers} disagrees with --manifest {manifest}, which covers {covered} MoE layers")
-    if covered == traced:
-        return covered, ""
-    return covered, (
-        f"model layers {covered} (from --manifest {manifest}; the trace records {traced}): the GPU budget is split "
-        f"over all {covered}, per-token costs scaled up from the traced layers"
-    )
-
-
-def read_manifest_copy_bytes(path: str | Path) -> int | None:
-    """The bytes one miss reads from an exponent-coded store the manifest describes (its
-    ``compressed_expert_bytes``); None when the manifest's store is raw."""
-    from expertcache.manifest import Manifest
-
-    manifest = Manifest.read(path)  # read_manifest_sizes has already checked it
-    if manifest.compression != "exponent" or manifest.compressed_expert_bytes is None:
-        return None
-    return manifest.compressed_expert_bytes
-
-
-def bytes_per_miss(compression: str, ratio: float | None, expert_bytes: int, measured: int | None) -> tuple[int, str]:
-    """``(bytes one miss moves host -> GPU, where the figure comes from)``; ``""`` when raw.
-
-    Args:
-        compression: ``"none"`` or ``"exponent"``.
-        ratio: ``--compression-ratio`` (None: not given).
-        expert_bytes: raw bytes of one expert (what a slot holds).
-        measured: an exponent-coded manifest's ``compressed_expert_bytes`` (None: none).
-    """
-    if compression != "exponent":
-        return expert_bytes, ""
-    if ratio is not None:
-        return math.ceil(expert_bytes * ratio), f"exponent-coded, --compression-ratio {ratio:g}"
-    if measured is not None:
-        return measured, "exponent-coded, measured on the model's experts (manifest)"
-    return (
-        math.ceil(expert_bytes * DEFAULT_EXPONENT_RATIO),
-        f"exponent-coded, default ratio {DEFAULT_EXPONENT_RATIO} of normal bf16 weights; a manifest measures yours",
-    )
 
 
 def _progress_bar(total: int) -> Callable[[], None]:
@@ -283,88 +187,3 @@ def _progress_bar(total: int) -> Callable[[], None]:
     # disable=None: shown on a terminal, silent when stderr is a file or a pipe
     bar = tqdm(total=total, desc="replaying", unit="run", file=sys.stderr, leave=False, disable=None)
     return lambda: bar.update(1)
-
-
-def _describe(trace, expert_bytes: int, layers: int, args: argparse.Namespace) -> str:
-    lines = [
-        f"trace: {args.trace}",
-        f"  {trace.model or 'model not recorded'}: {trace.num_tokens} tokens, "
-        f"{trace.num_forwards} forward passes, {trace.num_layers} layer(s) traced of {layers}, "
-        f"{trace.num_experts} experts, top-{trace.top_k}",
-        f"  notes: {trace.notes}" if trace.notes else "",
-        f"expert bytes {expert_bytes:,}; GPU budget {args.gpu_budget:g} GB"
-        + (f"; copy bandwidth {args.bandwidth:g} GB/s" if args.bandwidth else ""),
-        "calls that do not fit: "
-        + (
-            f"overlapped passes up to {OVERLAP_MAX_IDS:,} ids a call, one after the other above (as DecodeStack)"
-            if args.overlapped_passes
-            else "passes one after the other"
-        ),
-    ]
-    return "\n".join(line for line in lines if line)
-
-
-def format_table(result: Plan, policies: list[str]) -> str:
-    """Hit rates per policy by pool and size, then Belady, unbounded, and the best's costs."""
-    header = (
-        f"{'pool':<7}{'slots':>6}{'%exp':>6} "
-        + "".join(f"{name:>12}" for name in policies)
-        + f"{'belady':>9}{'unbnd':>7}  {'best':<11}{'miss/tok':>9}{'GB/tok':>8}{'tok/s':>9}"
-    )
-    lines = ["hit rate (%) by policy; costs of the best runtime policy", header, "-" * len(header)]
-    keys = dict.fromkeys((row.scope, row.slots) for row in result.rows)
-    for scope, slots in keys:
-        cells = {name: result.row(scope, slots, name) for name in (*policies, "belady", "unbounded")}
-        best = max((cells[name] for name in policies), key=lambda row: row.hit_rate)
-        budget = result.layer_cache_size if scope == "layer" else result.global_slots
-        marker = "*" if slots == budget else " "
-        lines.append(
-            f"{scope:<7}{slots:>6}{best.fraction * 100:>5.0f}{marker}"
-            + "".join(f"{cells[name].hit_rate * 100:>12.1f}" for name in policies)
-            + f"{cells['belady'].hit_rate * 100:>9.1f}{cells['unbounded'].hit_rate * 100:>7.1f}  "
-            f"{best.policy:<11}{best.misses_per_token:>9.2f}{best.gb_per_token:>8.3f}"
-            + (f"{best.tokens_per_second:>9.1f}" if best.tokens_per_second is not None else f"{'-':>9}")
-        )
-    lines.append("* = the GPU budget's size")
-    return "\n".join(lines)
-
-
-def recommendation(result: Plan, num_experts: int, layers: int) -> str:
-    """What to run with, in one paragraph."""
-    if result.layer_cache_size < result.min_cache_size:
-        return (
-            f"The budget buys {result.budget_slots} expert slots, {result.layer_cache_size} per layer "
-            f"({layers} layers): fewer than the {result.min_cache_size} a cache needs (the router's top-k, "
-            "the smallest --moe-expert-cache-size): raise --gpu-budget."
-        )
-    layer = result.row("layer", result.layer_cache_size, result.layer_policy)
-    pool = result.row("global", result.global_slots, result.global_policy)
-    bound = result.row("layer", result.layer_cache_size, "belady")
-    warning = ""
-    if layer.split_calls:
-        warning = (
-            f"\n  note: {layer.split_calls} calls of the trace need more distinct experts than "
-            f"{result.layer_cache_size} slots; they run in expert-group passes (counted as the "
-            "runtime copies them), each pass reloading what the last one evicted."
-        )
-    return (
-        f"recommendation: --moe-expert-cache-size {result.layer_cache_size} "
-        f"(of {num_experts} experts per layer, {result.budget_fraction:.0%}) with policy "
-        f"'{result.layer_policy}': hit rate {layer.hit_rate:.1%} (Belady {bound.hit_rate:.1%}), "
-        f"{layer.misses_per_token:.2f} misses and {layer.gb_per_token:.3f} GB per token.\n"
-        f"  one global pool of the same bytes ({result.global_slots} slots over the traced "
-        f"layers) with '{result.global_policy}': hit rate {pool.hit_rate:.1%}." + warning
-    )
-
-
-def _render(flag: str, result: Plan, name: str, columns: dict[str, int]) -> bytes:
-    """The bytes of the ``--csv`` (each row with ``columns`` after its fields) or ``--plot`` file."""
-    if flag == "--plot":
-        from expertcache.plan_plot import render_plan
-
-        return render_plan(result, title=f"{name}: hit rate vs cache size")
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=[field.name for field in dataclasses.fields(PlanRow)] + list(columns))
-    writer.writeheader()
-    writer.writerows({**dataclasses.asdict(row), **columns} for row in result.rows)
-    return text.getvalue().encode("utf-8")
