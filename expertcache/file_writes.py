@@ -2,17 +2,28 @@
 
 Each file is written to a scratch file beside it (same folder, so the rename stays on one
 file system) and renamed over its target once every file of the call is written. A full
-disk or a refused write leaves the targets as they were and no scratch file behind. A
-symbolic link is followed: the file it leads to is replaced, the link stays. A file that
+disk or a refused write leaves the targets as they were and no scratch file behind.
+
+Several files are replaced all or none: before the renames, each target that exists (but
+the last, renamed when no rename is left to fail) gets a second name beside it (a hard
+link: no bytes copied, and the file never goes missing; a copy where the file system has no
+hard links). When a rename fails, the targets already
+replaced get their old file back (the kept name renamed over them) and the new ones are
+removed; the kept names go once every rename succeeded. A reader may see a new file for
+that moment, but after the call every target is the old file or every one the new.
+
+A symbolic link is followed: the file it leads to is replaced, the link stays. A file that
 existed keeps its permissions; a new one gets the umask's, as any file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import shutil
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 #: Numbers each scratch file of this process: two writes of one target (threads) never share one.
@@ -27,8 +38,8 @@ def write_files(files: Mapping[Path, bytes]) -> None:
         ValueError: a target that exists and is not a regular file (a folder, a device such
             as ``/dev/full``, a pipe), a link that leads nowhere (a loop), or two paths of one
             file, before anything is written.
-        OSError: the first write the file system refused, naming its file (a full disk's
-            error carries no file name of its own). No target has changed.
+        OSError: the first write or rename the file system refused, naming its file (a full
+            disk's error carries no file name of its own). No target has changed.
     """
     targets = {path: _regular_target(path) for path in files}
     if len(set(targets.values())) < len(targets):
@@ -37,10 +48,7 @@ def write_files(files: Mapping[Path, bytes]) -> None:
     try:
         for path, data in files.items():
             target = targets[path]
-            # created like any file (umask), unlike mkstemp's 0600; the target's name cut short,
-            # so that a name near the file system's limit (255 bytes) still has a scratch
-            number = next(_SCRATCH_NUMBERS)
-            scratch = scratches[target] = target.with_name(f".{target.name[:32]}.{os.getpid()}.{number}.partial")
+            scratch = scratches[target] = _scratch_name(target, "partial")  # created with the umask's mode
             try:
                 with open(scratch, "wb") as file:
                     file.write(data)
@@ -48,11 +56,78 @@ def write_files(files: Mapping[Path, bytes]) -> None:
                     os.chmod(scratch, stat.S_IMODE(target.stat().st_mode))
             except OSError as error:
                 raise OSError(error.errno, error.strerror, str(path)) from None
-        for target, scratch in scratches.items():
-            os.replace(scratch, target)
+        _replace_all(scratches, {target: path for path, target in targets.items()})
     finally:
         for scratch in scratches.values():
             scratch.unlink(missing_ok=True)  # renamed ones are gone already
+
+
+def _replace_all(scratches: dict[Path, Path], given: dict[Path, Path]) -> None:
+    """Rename each scratch over its target, all or none: the old files are kept aside until
+    every rename succeeded, and put back when one fails (``given``: the name the caller gave
+    each target, for errors)."""
+    kept: dict[Path, Path | None] = {}  # target: its old file's second name (None: the target is new)
+    try:
+        for target in list(scratches)[:-1]:  # the last rename has none after it to fail
+            kept[target] = _keep_aside(target) if target.exists() else None
+    except OSError:
+        _drop(kept.values())
+        raise
+    for index, (target, scratch) in enumerate(scratches.items()):
+        try:
+            os.replace(scratch, target)
+        except OSError as error:
+            stranded = _restore(kept, list(scratches)[:index])
+            _drop(old for old in kept.values() if old not in stranded.values())
+            lost = "".join(f"; {where} could not be put back, its old file is {old}" for where, old in stranded.items())
+            raise OSError(error.errno, f"{error.strerror}{lost}", str(given[target])) from None
+    _drop(kept.values())
+
+
+def _keep_aside(target: Path) -> Path:
+    """A second name for ``target``'s file beside it: a hard link, else a copy."""
+    old = _scratch_name(target, "old")
+    try:
+        os.link(target, old)
+    except OSError:  # no hard links here (some network or FUSE file systems)
+        try:
+            shutil.copy2(target, old)
+        except OSError as error:
+            old.unlink(missing_ok=True)
+            raise OSError(error.errno, error.strerror, str(target)) from None
+    return old
+
+
+def _restore(kept: dict[Path, Path | None], done: list[Path]) -> dict[Path, Path]:
+    """Put the old files of the targets ``done`` back (remove those that were new), last
+    first; ``{target: its old file}`` of those that could not be (their old file is kept)."""
+    stranded: dict[Path, Path] = {}
+    for target in reversed(done):
+        old = kept[target]
+        try:
+            if old is None:
+                target.unlink(missing_ok=True)
+            else:
+                os.replace(old, target)
+        except OSError:
+            if old is not None:
+                stranded[target] = old
+    return stranded
+
+
+def _drop(olds: Iterable[Path | None]) -> None:
+    """Remove the kept old files (restored ones are gone already); one left behind is no
+    reason to report a write that happened as failed."""
+    for old in olds:
+        if old is not None:
+            with contextlib.suppress(OSError):
+                old.unlink(missing_ok=True)
+
+
+def _scratch_name(target: Path, kind: str) -> Path:
+    """A file name beside ``target`` that no other write of this process uses: the target's
+    name cut short, so that a name near the file system's limit (255 bytes) still has one."""
+    return target.with_name(f".{target.name[:32]}.{os.getpid()}.{next(_SCRATCH_NUMBERS)}.{kind}")
 
 
 def _regular_target(path: Path) -> Path:

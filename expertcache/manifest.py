@@ -15,20 +15,10 @@ With a compressed store (``compression="exponent"``) ``host_bytes`` is the coded
 size and ``compressed_expert_bytes`` what one miss reads over PCIe; ``expert_bytes`` stays
 what lands in a slot. Both fields are optional when read (older manifests: raw).
 
-`Manifest.read` checks what a plan is computed from: ``experts``, ``layers``,
-``expert_bytes`` and ``compressed_expert_bytes`` are JSON integers of at least 1 (not
-``12.0``, ``true`` or ``"12"``: `Manifest.write` writes integers, so anything else was
-written by hand or damaged); ``experts`` and ``layers`` at most `MAX_COUNT`,
-``expert_bytes`` at most `MAX_EXPERT_BYTES`;
-``compressed_expert_bytes`` at most ``expert_bytes`` (a coded tensor is stored only where it
-is smaller) and equal to it when ``compression`` is null; ``compression`` null or a name of
-`expertcache.compression.COMPRESSIONS` (comma-separated when the layers' stores differ).
-The other fields are checked too: each ``tensors`` entry has exactly a string ``name`` and
-``dtype``, a ``shape`` of integers >= 0 and integer ``bytes`` >= 0 that sum to
-``expert_bytes`` (a hand-written manifest may list no tensors); the slot and byte totals are
-integers >= 0, ``pinned_host_bytes`` at most ``host_bytes`` and ``gpu_bytes_freed`` exactly
-``full_residency_gpu_bytes - pool_gpu_bytes``; ``device`` is a string. `Manifest.write`
-refuses, before writing, a manifest that `Manifest.read` would refuse.
+`Manifest.read` refuses, naming the file and the field, a manifest whose fields are of the
+wrong type, out of range or disagree with each other (`expertcache.manifest_checks` lists
+every check). `Manifest.write` refuses, before writing, a manifest that `Manifest.read`
+would refuse.
 
 ``expertcache plan --manifest FILE`` reads ``expert_bytes`` (the bytes one miss copies and
 one slot holds) from it.
@@ -42,8 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from expertcache.compression import COMPRESSIONS
 from expertcache.file_writes import write_files
+from expertcache.manifest_checks import check_entry, check_manifest
 
 if TYPE_CHECKING:
     from expertcache.cached_provider import CachedWeightProvider
@@ -131,8 +121,8 @@ class Manifest:
 
         Raises:
             ValueError: a missing file, not UTF-8 JSON, not a version-2 manifest, or a field
-                of the wrong type or out of range (see the module docstring; the message
-                names the file and the field).
+                of the wrong type, out of range or disagreeing with another
+                (`expertcache.manifest_checks`; the message names the file and the field).
         """
         path = Path(path)
         if not path.is_file():
@@ -154,88 +144,13 @@ def _parse(path: Path, data: object) -> Manifest:
     entries = data.pop("tensors", None)
     if not isinstance(entries, list):
         raise ValueError(f"{path}: not an expertcache manifest ('tensors' must be a list, got {entries!r:.40})")
-    tensors = tuple(_entry(path, index, entry) for index, entry in enumerate(entries))
+    tensors = tuple(TensorEntry(*check_entry(path, index, entry)) for index, entry in enumerate(entries))
     try:
         manifest = Manifest(tensors=tensors, **data)
     except TypeError as error:
         raise ValueError(f"{path}: not an expertcache manifest ({type(error).__name__}: {error})") from None
-    _check_sizes(path, manifest)
-    _check_totals(path, manifest)
+    check_manifest(path, manifest)
     return manifest
-
-
-_ENTRY_KEYS = ("bytes", "dtype", "name", "shape")
-
-
-def _entry(path: Path, index: int, entry: object) -> TensorEntry:
-    """One ``tensors`` entry, its fields checked (none converted: ``5`` is not a name)."""
-    where = f"{path}: 'tensors' entry {index}"
-    if not isinstance(entry, dict) or sorted(entry) != list(_ENTRY_KEYS):
-        raise ValueError(f"{where} must have the keys {', '.join(_ENTRY_KEYS)}, got {entry!r:.60}")
-    for key in ("name", "dtype"):
-        if not isinstance(entry[key], str):
-            raise ValueError(f"{where}: {key!r} must be a string, got {entry[key]!r:.40}")
-    shape, nbytes = entry["shape"], entry["bytes"]
-    if not isinstance(shape, list) or any(type(size) is not int or size < 0 for size in shape):
-        raise ValueError(f"{where}: 'shape' must be a list of integers >= 0, got {shape!r:.40}")
-    if type(nbytes) is not int or nbytes < 0:
-        raise ValueError(f"{where}: 'bytes' must be an integer >= 0, got {nbytes!r:.40}")
-    return TensorEntry(entry["name"], tuple(shape), entry["dtype"], nbytes)
-
-
-def _check_totals(path: Path, manifest: Manifest) -> None:
-    """The fields a plan does not use: their types, and the sums `build_manifest` makes of them."""
-    for name in ("num_slots", "pool_gpu_bytes", "host_bytes", "pinned_host_bytes", "full_residency_gpu_bytes"):
-        value = getattr(manifest, name)
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{path}: {name!r} must be an integer >= 0, got {value!r:.40}")
-    if type(manifest.gpu_bytes_freed) is not int:
-        raise ValueError(f"{path}: 'gpu_bytes_freed' must be an integer, got {manifest.gpu_bytes_freed!r:.40}")
-    if not isinstance(manifest.device, str):
-        raise ValueError(f"{path}: 'device' must be a string, got {manifest.device!r:.40}")
-    pinned, host = manifest.pinned_host_bytes, manifest.host_bytes
-    if pinned > host:
-        raise ValueError(f"{path}: 'pinned_host_bytes' ({pinned}) must be at most 'host_bytes' ({host})")
-    full, pool = manifest.full_residency_gpu_bytes, manifest.pool_gpu_bytes
-    if manifest.gpu_bytes_freed != full - pool:
-        raise ValueError(
-            f"{path}: 'gpu_bytes_freed' ({manifest.gpu_bytes_freed}) must be 'full_residency_gpu_bytes' - "
-            f"'pool_gpu_bytes' ({full - pool})"
-        )
-    listed = sum(entry.bytes for entry in manifest.tensors)
-    if manifest.tensors and listed != manifest.expert_bytes:  # a hand-written manifest may list none
-        raise ValueError(
-            f"{path}: 'expert_bytes' ({manifest.expert_bytes}) must be the sum of the tensors' bytes ({listed})"
-        )
-
-
-def _check_sizes(path: Path, manifest: Manifest) -> None:
-    """What `Manifest.read` checks of the fields a plan uses (see the module docstring)."""
-    for name in ("experts", "layers"):
-        _check_count(path, name, getattr(manifest, name), MAX_COUNT, "MAX_COUNT")
-    _check_count(path, "expert_bytes", manifest.expert_bytes, MAX_EXPERT_BYTES, "MAX_EXPERT_BYTES")
-    compression = manifest.compression
-    if compression is not None and (
-        not isinstance(compression, str) or any(name not in COMPRESSIONS for name in compression.split(","))
-    ):
-        choices = ", ".join(COMPRESSIONS)
-        raise ValueError(f"{path}: 'compression' must be null or one of {choices}, got {compression!r:.40}")
-    coded = manifest.compressed_expert_bytes
-    if coded is None:
-        return
-    _check_count(path, "compressed_expert_bytes", coded, manifest.expert_bytes, "the 'expert_bytes'")
-    if compression is None and coded != manifest.expert_bytes:
-        raise ValueError(
-            f"{path}: 'compressed_expert_bytes' ({coded}) must equal 'expert_bytes' ({manifest.expert_bytes}) "
-            "when 'compression' is null (a raw store)"
-        )
-
-
-def _check_count(path: Path, name: str, value: object, maximum: int | None = None, what: str = "") -> None:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"{path}: {name!r} must be a positive integer, got {value!r:.40}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{path}: {name!r} must be at most {what} ({maximum:,}), got {value:,}")
 
 
 def build_manifest(providers: Sequence[CachedWeightProvider]) -> Manifest:

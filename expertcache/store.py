@@ -4,7 +4,8 @@ One host buffer holds one contiguous ``[E, *shape]`` region per registered tenso
 `expertcache.layout`). Pinning goes through ``cudaHostRegister`` on that exactly sized
 buffer instead of torch's caching host allocator, which rounds large requests up to a
 power of two (a 604 MB request took 1027 MB in one report). The pin budget is checked
-before anything is allocated. The registration is *mapped*, so GPU kernels may read the
+before anything is allocated (with compression, before the analysis pass too when even the
+smallest possible records exceed it). The registration is *mapped*, so GPU kernels may read the
 experts through their device address (the copy kernel does). Without CUDA the store is
 plain memory and every code path still runs.
 
@@ -14,11 +15,14 @@ bytes: the copy kernel's sibling (`expertcache.kernels.decode_copy`) decodes the
 slots, so PCIe carries the coded bytes. The other names stay raw.
 
 Lifetime: the buffer is unregistered and freed only after every CUDA device has finished
-the work queued so far, so a copy still reading the store never reads freed memory.
+the work queued so far, so a copy still reading the store never reads freed memory
+(`expertcache.pinned_host`, which also says why a store must not be released while another
+thread captures a CUDA graph).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -32,42 +36,11 @@ from expertcache.exponent_code import FLOAT16_FIELDS, ExponentCode, RecordFormat
 from expertcache.exponent_decode import decode_records_torch as decode_records
 from expertcache.exponent_records import write_records
 from expertcache.layout import ExpertLayout, ExpertTensorSpec, layout_from_weights
+from expertcache.pinned_host import flush_released, register, release
 from expertcache.validation import check_flag, check_int, check_pin_budget_bytes, resolve_device
 
 #: Stores coding more bytes than this show progress bars while they are encoded.
 _PROGRESS_BYTES = 1 << 28
-
-_HOST_REGISTER_PORTABLE = 1
-_HOST_REGISTER_MAPPED = 2
-
-#: Buffers whose release came during a CUDA graph capture (no sync is allowed then).
-_DEFERRED: list[torch.Tensor] = []
-
-
-def _register(buffer: torch.Tensor) -> None:
-    flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
-    err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, flags))
-    if err != 0:
-        raise RuntimeError(f"cudaHostRegister of {buffer.nbytes} bytes failed (cudaError {err})")
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _release(buffer: torch.Tensor) -> None:
-    """Unregister ``buffer`` once no queued GPU work can still read it."""
-    _DEFERRED.append(buffer)
-    _flush_released()
-
-
-def _flush_released() -> None:
-    if not _DEFERRED or _capturing():
-        return  # synchronising would break a capture: the next release or new store does it
-    for device in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(device)
-    while _DEFERRED:
-        torch.cuda.cudart().cudaHostUnregister(_DEFERRED.pop().data_ptr())
 
 
 class CPUBackingStore:
@@ -79,7 +52,9 @@ class CPUBackingStore:
         pin: register the buffer as pinned (page-locked, mapped) memory; needs CUDA.
         pin_budget_bytes: None (no limit) or bytes ``>= 0`` (any integer, numpy's too):
             refuse, before allocating anything, when the buffer would exceed it (checked on
-            CPU-only machines too, where the store is plain memory).
+            CPU-only machines too, where the store is plain memory). With compression the
+            exact size is known after the analysis pass; a budget below the smallest size
+            the records could have is refused before that pass runs.
         compression: ``None`` (raw bytes) or ``"exponent"`` (lossless exponent coding of the
             bf16/fp16 names; ``w1`` and ``w2`` must be bf16 or fp16).
         encode_device: where the coding passes run (`encoding_device`; default: the
@@ -119,6 +94,10 @@ class CPUBackingStore:
         check_compression(compression, layout)
         _check_coding_settings(compression, encode_device, progress)
         coder = _Coder(layout, weights, encode_device, progress) if compression else None
+        if coder is not None and pin_budget_bytes is not None:  # refused before the (slow) analysis when
+            least = layout.buffer_bytes(num_experts, coder.least_sizes())  # even the smallest records exceed it
+            if least > pin_budget_bytes:
+                raise PinBudgetError(least, pin_budget_bytes)
         analyses = coder.analyse() if coder else {}
         self.formats: dict[str, RecordFormat] = {name: analysis.format for name, analysis in analyses.items()}
         sizes = tuple(self.formats[s.name].record_bytes if s.name in self.formats else s.nbytes for s in layout.specs)
@@ -137,10 +116,10 @@ class CPUBackingStore:
             self.buffer = torch.zeros(nbytes, dtype=torch.uint8)  # padding bytes deterministic
             self.pinned = False
             if pin:  # before filling: device -> host copies of records or GPU weights run at pinned speed
-                _flush_released()
-                _register(self.buffer)
+                flush_released()
+                register(self.buffer)
                 self.pinned = True
-                weakref.finalize(self, _release, self.buffer)  # also when filling fails below
+                weakref.finalize(self, release, self.buffer)  # also when filling fails below
             self.records: dict[str, torch.Tensor] = {}
             raw: dict[str, torch.Tensor] = {}
             for spec, offset, size in zip(layout.specs, self.region_offsets, sizes, strict=True):
@@ -291,6 +270,19 @@ class _Coder:
             self.device = torch.device("cpu")
             torch.cuda.empty_cache()
             return work()
+
+    def least_sizes(self) -> tuple[int, ...]:
+        """Bytes one expert of each spec takes in the store at least, known before `analyse`:
+        a coded name's records reserve no second code and no exception byte at best, and a
+        name whose records would not be smaller stays raw."""
+        sizes = []
+        for spec in self.layout.specs:
+            least = spec.nbytes
+            if spec.dtype in FLOAT16_FIELDS:
+                values = math.prod(spec.shape)
+                least = min(least, RecordFormat(ExponentCode(spec.dtype), values, capacity=0, spill=0).record_bytes)
+            sizes.append(least)
+        return tuple(sizes)
 
     def analyse(self) -> dict:
         """The first pass of every bf16/fp16 name whose records are smaller than its bytes."""

@@ -67,6 +67,9 @@ def _manifest(path: Path, **fields) -> Path:
             "num_slots": 6, "pool_gpu_bytes": 6000, "host_bytes": 16000, "pinned_host_bytes": 0,
             "full_residency_gpu_bytes": 16000, "gpu_bytes_freed": 10000, "device": "cpu", "compression": None,
             "compressed_expert_bytes": 1000}  # fmt: skip
+    if "experts" in fields:  # the fully resident bytes follow the experts, as `build_manifest` writes them
+        full = fields["experts"] * data["expert_bytes"]
+        data.update(full_residency_gpu_bytes=full, gpu_bytes_freed=full - data["pool_gpu_bytes"])
     path.write_text(json.dumps({**data, **fields}))
     return path
 

@@ -230,5 +230,7 @@ def test_manifest_counts_have_an_upper_bound(tmp_path, field):
         path.write_text(json.dumps({**good, field: value}))
         with pytest.raises(ValueError, match=rf"'{field}' must be at most MAX_COUNT \(2,147,483,647\)"):
             Manifest.read(path)
-    path.write_text(json.dumps({**good, "experts": MAX_COUNT, "layers": MAX_COUNT}))
+    full = MAX_COUNT * good["expert_bytes"]  # the totals that follow the experts, as they would be
+    totals = {"full_residency_gpu_bytes": full, "gpu_bytes_freed": full - good["pool_gpu_bytes"]}
+    path.write_text(json.dumps({**good, "experts": MAX_COUNT, "layers": MAX_COUNT, **totals}))
     assert Manifest.read(path).experts == MAX_COUNT  # control: the bound itself is taken
