@@ -7,7 +7,9 @@ capture) and yields one counter family per field in `_COUNTERS`, labelled by lay
 the prepare-time histogram of providers wrapped in `expertcache.timed_provider.TimedProvider`.
 A provider whose ``stats`` raises (or stops being a `CacheStats` of non-negative integer
 counts) during a scrape is left out of that scrape, logged and counted in
-``<namespace>_stats_read_errors``; the other layers are served as ever.
+``<namespace>_stats_read_errors``; the other layers are served as ever. The collector holds
+every tracked provider: `CacheCollector.untrack` one before dropping it (a disabled model's),
+or its slots and host store stay allocated and its last counts stay exported.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class CacheCollector(Collector):
     def track(self, layer: str, provider: HasStats) -> None:
         """Expose ``provider`` (anything whose ``stats`` is a `CacheStats`: a `CachedWeightProvider`,
         a `TimedProvider`; for a transformers model, each ``handle.provider(name)``) under
-        ``layer`` (a non-empty str, or an int).
+        ``layer`` (a non-empty str, or an int). The collector holds ``provider`` until `untrack`.
 
         Reads ``provider.stats`` once, to check it (a device-mode cache's counters: one
         device-to-host copy; not while a CUDA graph is captured).
@@ -121,6 +123,23 @@ class CacheCollector(Collector):
         """
         self._add_checked({self._check_label(layer, provider): provider})
 
+    def untrack(self, layer: str) -> None:
+        """Stop exposing the provider tracked under ``layer`` (a str, or an int as in `track`)
+        and drop the collector's reference to it: a provider that is dropped (a disabled
+        model's, ``handle.disable()``) is freed, its slots and host store with it, only once
+        no collector tracks it. Its series end at the next scrape (a paused collector serves
+        the values frozen on entry until it resumes).
+
+        Raises:
+            TypeError: ``layer`` neither a str nor an int. KeyError: ``layer`` not tracked.
+        """
+        label = _label(layer)
+        with self._lock:
+            if label not in self._providers:
+                raise KeyError(f"layer {label!r} is not tracked; tracked: {sorted(self._providers)}")
+            del self._providers[label]
+            self._read_errors.pop(label, None)
+
     def _add_checked(self, checked: Mapping[str, HasStats]) -> None:
         """Track every provider of ``checked`` (labels from `_check_label`), all or none: a
         label another thread tracked since it was checked raises ValueError, tracking nothing."""
@@ -131,9 +150,7 @@ class CacheCollector(Collector):
             self._providers.update(checked)
 
     def _check_label(self, layer: object, provider: object) -> str:
-        if isinstance(layer, bool) or not isinstance(layer, (str, numbers.Integral)):
-            raise TypeError(f"a layer label is a str or an int, got {type(layer).__name__} {layer!r:.40}")
-        label = layer if isinstance(layer, str) else str(operator.index(layer))  # np.int64(3) -> "3"
+        label = _label(layer)
         if not label.strip():  # Prometheus reads an empty label value as no label
             raise ValueError(f"a layer label must not be empty or blank, got {label!r}")
         _check_provider(label, provider)
@@ -219,6 +236,13 @@ class CacheCollector(Collector):
         for layer, (buckets, total) in timings.items():
             timing.add_metric([layer], buckets, total)
         yield timing
+
+
+def _label(layer: object) -> str:
+    """A layer label as the str it is exported as (TypeError: neither a str nor an int)."""
+    if isinstance(layer, bool) or not isinstance(layer, (str, numbers.Integral)):
+        raise TypeError(f"a layer label is a str or an int, got {type(layer).__name__} {layer!r:.40}")
+    return layer if isinstance(layer, str) else str(operator.index(layer))  # np.int64(3) -> "3"
 
 
 def _timings(providers: Mapping[str, HasStats]) -> dict[str, _Timing]:

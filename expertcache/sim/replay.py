@@ -95,7 +95,7 @@ def replay(
     Args:
         calls: one sequence of hashable keys per call (an expert id, or ``(layer,
             expert)`` for a pool shared by layers); repeats inside a call are allowed. A 1-D
-            numpy array or tensor counts its ids by value.
+            numpy array or tensor of integer ids counts them by value.
         policy: a policy name (``"lru"``, ..., ``"belady"``) or a fresh `EvictionPolicy`.
         capacity: keys the cache holds (slots), at least 1.
         forward_starts: indices into ``calls`` where a forward pass starts (Least-Stale
@@ -123,9 +123,10 @@ def replay(
             without ``layer_of``), a call holding keys of several layers or a ``layer_of``
             outside ``[0, num_layers)`` (naming the call), ``overlap_max_ids`` not a positive
             int or given without ``oversize="overlapped"``, ``num_ids`` without it or not
-            one count per call; TypeError: a call that is not a sequence of hashable keys (an
-            array or tensor: not 1-D), or a ``capacity``, ``num_layers`` or ``num_ids`` entry that
-            is not an integer (a bool, a float).
+            one count per call; TypeError: ``calls`` not iterable (a `RoutingTrace`, a
+            `TraceCalls`), a call that is not a sequence of hashable keys (an
+            array or tensor: not 1-D, or of float or bool ids), or a ``capacity``,
+            ``num_layers`` or ``num_ids`` entry that is not an integer (a bool, a float).
         CacheCapacityError: an oversize call with ``oversize="raise"``.
     """
     capacity = check_int("capacity", capacity, minimum=1)
@@ -170,6 +171,11 @@ def _normalize(
     and each call's length (repeats included)."""
     if oversize not in OVERSIZE:
         raise ValueError(f"oversize must be one of {OVERSIZE}, got {oversize!r}")
+    if not isinstance(calls, Iterable):
+        raise TypeError(
+            f"calls must be an iterable of calls (one sequence of keys each), got a {type(calls).__name__}: "
+            "for a RoutingTrace call replay_trace(trace, ...), for a TraceCalls replay_streams([stream], ...)"
+        )
     calls = list(calls)
     starts_set = None if forward_starts is None else _call_indices(forward_starts)
     admitted: list[tuple[Hashable, ...]] = []
@@ -203,13 +209,19 @@ def _distinct_keys(call: object, index: int) -> tuple[tuple[Hashable, ...], int]
 
 
 def _array_keys(call: np.ndarray | torch.Tensor, index: int) -> list:
-    """A 1-D array's or tensor's ids as Python numbers (a tensor's elements are 0-d tensors,
-    which hash by identity: the same id twice would be two keys)."""
+    """A 1-D integer array's or tensor's ids as Python ints (a tensor's elements are 0-d
+    tensors, which hash by identity: the same id twice would be two keys)."""
     if call.ndim != 1:
         raise TypeError(
             f"call {index} must be a 1-D sequence of keys, got a {call.ndim}-D {type(call).__name__} "
             "(flatten a call's [T, K] ids)"
         )
+    if isinstance(call, torch.Tensor):
+        numbers = not (call.dtype.is_floating_point or call.dtype.is_complex or call.dtype == torch.bool)
+    else:
+        numbers = call.dtype.kind not in "fcb"
+    if not numbers:  # a float id is no expert, and NaN is not equal to itself: each a new key
+        raise TypeError(f"call {index} holds {call.dtype} ids; expert ids are integers (a router's topk_ids)")
     return call.tolist()
 
 

@@ -10,7 +10,7 @@ makes no call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,6 +19,7 @@ import numpy as np
 from expertcache.policies import EvictionPolicy
 from expertcache.sim.replay import ReplayResult, replay
 from expertcache.trace.format import RoutingTrace
+from expertcache.validation import check_int
 
 Scope = Literal["layer", "global"]
 
@@ -42,6 +43,28 @@ class TraceCalls:
     num_keys: int
     num_layers: int = 1
     num_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Refuse a layer count that cannot split the keys (a hand-built stream): each layer
+        must own ``E = num_keys // num_layers >= 1`` keys, or `layer_of` divides by zero or
+        files keys under the wrong layer.
+
+        Raises:
+            TypeError: ``num_keys`` or ``num_layers`` not an int. ValueError: ``num_layers``
+                below 1, ``num_keys`` not a positive multiple of it, or ``num_ids`` neither
+                empty nor one count per call.
+        """
+        num_layers = check_int("num_layers", self.num_layers, minimum=1)
+        num_keys = check_int("num_keys", self.num_keys, minimum=1)
+        if num_keys % num_layers:
+            raise ValueError(
+                f"num_keys must be a multiple of num_layers (E keys per layer), got {num_keys} keys for "
+                f"{num_layers} layers"
+            )
+        if len(self.num_ids) not in (0, len(self.calls)):
+            raise ValueError(
+                f"num_ids must be empty or hold one count per call ({len(self.calls)}), got {len(self.num_ids)}"
+            )
 
     @property
     def layer_of(self) -> Callable[[Hashable], int]:
@@ -116,7 +139,12 @@ def replay_streams(
     ``policy`` must be a name when there are several streams (each needs a fresh policy);
     ``oversize`` and ``overlap_max_ids`` as in `replay` (the streams' ``num_ids`` count a
     call's ids).
+
+    Raises:
+        TypeError: ``streams`` not a sequence of `TraceCalls` (one stream, a trace), before
+            any replay. ValueError / TypeError: as `replay`.
     """
+    streams = _checked_streams(streams)
     if isinstance(policy, EvictionPolicy) and len(streams) > 1:
         raise ValueError("give a policy name: every stream needs a fresh policy")
     if overlap_max_ids is not None and any(len(stream.num_ids) != len(stream.calls) for stream in streams):
@@ -147,9 +175,27 @@ def replay_trace(trace: RoutingTrace, *, policy: str | EvictionPolicy, capacity:
 
 
 def unbounded(streams: Sequence[TraceCalls]) -> ReplayResult:
-    """An infinite cache: every key misses once (its first use), then always hits."""
+    """An infinite cache: every key misses once (its first use), then always hits.
+
+    Raises:
+        TypeError: ``streams`` not a sequence of `TraceCalls`.
+    """
     total = ReplayResult(0, 0, 0, 0)
-    for stream in streams:
+    for stream in _checked_streams(streams):
         misses = stream.distinct_keys
         total = total + ReplayResult(stream.lookups - misses, misses, 0, len(stream.calls))
     return total
+
+
+def _checked_streams(streams: object) -> list[TraceCalls]:
+    """``streams`` as a list, each a `TraceCalls` (TypeError naming the first that is not)."""
+    if isinstance(streams, (TraceCalls, RoutingTrace)) or not isinstance(streams, Iterable):
+        raise TypeError(
+            f"streams must be a sequence of TraceCalls (trace_calls(trace, scope=...)), got a {type(streams).__name__}"
+            f"{': wrap one stream in a list' if isinstance(streams, TraceCalls) else ''}"
+        )
+    checked = list(streams)
+    for index, stream in enumerate(checked):
+        if not isinstance(stream, TraceCalls):
+            raise TypeError(f"streams[{index}] is a {type(stream).__name__}, not a TraceCalls")
+    return checked

@@ -145,7 +145,18 @@ class RoutingTrace:
         """The fused-MoE calls of layer column ``column``: ``[T_f, K]`` ids per forward pass.
 
         Rows without a record (all -1) are dropped; each call keeps the row-major order.
+
+        Raises:
+            TypeError: ``column`` not an int. ValueError: not in ``[0, L)`` (a negative one
+                would count from the end: another layer's calls). Both at the call, before
+                anything is iterated.
         """
+        if not self.num_layers:
+            raise ValueError("the trace has no layer column")
+        column = whole_number("column", column, minimum=0, maximum=self.num_layers - 1)
+        return self._calls(column)
+
+    def _calls(self, column: int) -> Iterator[np.ndarray]:
         for tokens in self.forward_slices():
             ids = self.expert_ids[tokens, column]
             yield ids[(ids >= 0).any(axis=1)]

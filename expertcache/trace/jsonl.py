@@ -112,31 +112,34 @@ def missing_note(ids: np.ndarray) -> str:
     return f"{missing} of {total} (token, layer) records absent (expert_ids -1)."
 
 
-def concatenate(traces: Sequence[RoutingTrace], *, notes: str = "") -> RoutingTrace:
+def concatenate(traces: Sequence[RoutingTrace], *, notes: str = "", names: Sequence[str] | None = None) -> RoutingTrace:
     """Traces one after another: forward and request starts shift; each trace starts a request.
 
-    All traces must have the same layers and top-k.
+    All traces must have the same layers, and those that hold tokens the same top-k (an
+    empty recording has none: it adds nothing). ``names`` name the traces in an error
+    (default: their ``source``).
     """
     if not traces:
         raise ValueError("nothing to concatenate")
-    first = traces[0]
-    for trace in traces[1:]:
-        if trace.top_k != first.top_k or not np.array_equal(np.asarray(trace.layers), np.asarray(first.layers)):
+    names = [trace.source for trace in traces] if names is None else list(names)
+    filled = [index for index, trace in enumerate(traces) if trace.num_tokens] or [0]
+    first = traces[filled[0]]
+    for index, trace in enumerate(traces):
+        other_k = index in filled and trace.top_k != first.top_k
+        if other_k or not np.array_equal(np.asarray(trace.layers), np.asarray(first.layers)):
             raise ValueError(
-                f"traces disagree on layers or top-k: {trace.source} has layers "
-                f"{_span(trace.layers)} top-{trace.top_k}, {first.source} {_span(first.layers)} top-{first.top_k}"
+                f"traces disagree on layers or top-k: {names[index]} has layers {_span(trace.layers)} "
+                f"top-{trace.top_k}, {names[filled[0]]} {_span(first.layers)} top-{first.top_k}"
             )
-    offsets = np.cumsum([0] + [trace.num_tokens for trace in traces[:-1]])
-    request_starts = []
-    for offset, trace in zip(offsets, traces, strict=True):
-        starts = trace.request_starts if trace.request_starts.size else np.zeros(1, np.int64)
-        request_starts.append(starts + offset)
+    kept = [traces[index] for index in filled]
+    offsets = np.cumsum([0] + [trace.num_tokens for trace in kept[:-1]])
+    request_starts = [np.append(trace.request_starts, 0) + offset for offset, trace in zip(offsets, kept, strict=True)]
     return RoutingTrace(
-        expert_ids=np.concatenate([trace.expert_ids.astype(np.int32) for trace in traces]),
+        expert_ids=np.concatenate([trace.expert_ids.astype(np.int32) for trace in kept]),
         forward_starts=np.concatenate(
-            [trace.forward_starts + offset for offset, trace in zip(offsets, traces, strict=True)]
+            [trace.forward_starts + offset for offset, trace in zip(offsets, kept, strict=True)]
         ),
-        request_starts=np.unique(np.concatenate(request_starts)),
+        request_starts=np.unique(np.concatenate(request_starts)) if first.num_tokens else np.zeros(0, np.int64),
         layers=first.layers,
         num_experts=max(trace.num_experts for trace in traces),
         model=first.model,

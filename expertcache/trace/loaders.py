@@ -8,7 +8,8 @@ Accepted inputs:
 * a folder: every routing file in it, which must share one format, loaded in name order
   and concatenated (each file starts a request). Files that are not routing traces
   (``prompts.txt``, ``*_outputs.jsonl``) are skipped; a folder whose routing files are of
-  two formats (``shared/traces``' Mixtral one) is refused: name one file.
+  two formats (``shared/traces``' Mixtral one) is refused: name one file. So is a subfolder
+  named like a trace file (``b.npz/``): a folder is never read recursively.
 
 `trace_files` lists the files a path stands for, so a command can refuse to write over one.
 
@@ -154,7 +155,13 @@ def _first_line_says(path: Path) -> str:
 
 
 def _routing_files(folder: Path) -> list[Path]:
-    """The routing files of ``folder``, of one format, in name order."""
+    """The routing files of ``folder``, of one format, in name order (a subfolder named like
+    one, or a link to a folder, is refused: a folder's traces are never read recursively)."""
+    for entry in sorted([*folder.glob("*.jsonl"), *folder.glob("*.npz")]):
+        if entry.is_dir():
+            raise TraceFileError(
+                folder, f"{entry.name} is a folder; a folder of traces holds trace files only (load it on its own)"
+            )
     formats = {file: detect_format(file) for file in sorted(folder.glob("*.jsonl"))}
     found = {file: kind for file, kind in formats.items() if kind is not None}
     found.update({file: "npz" for file in sorted(folder.glob("*.npz"))})
@@ -174,7 +181,8 @@ def _load_folder(folder: Path, files: list[Path], num_experts: int | None) -> Ro
     _refuse_other_models(folder, files, traces)
     names = ", ".join(file.name for file in files)
     try:
-        return concatenate(traces, notes=f"{len(traces)} files concatenated ({names}).")
+        notes = f"{len(traces)} files concatenated ({names})."
+        return concatenate(traces, notes=notes, names=[file.name for file in files])
     except ValueError as error:
         raise TraceFileError(folder, str(error)) from None
 

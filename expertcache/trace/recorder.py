@@ -98,14 +98,15 @@ class RoutingRecorder:
             topk_ids: ``[T, K]`` integer global expert ids (any device; copied to the host).
 
         Raises:
-            TypeError: ``layer`` not an int, or ids not integers. ValueError: a layer not in
+            TypeError: ``layer`` not an int, ids not integers, or a sparse tensor.
+                ValueError: a ragged list, a tensor on the meta device, a layer not in
                 ``layers``, ``K`` of 0, an id out of range or twice in one token's ids, or a
                 top-k or token count that disagrees with the calls before; nothing is recorded.
         """
         layer = whole_number("layer", layer, minimum=0, maximum=_LAYER_LIMIT)
         if self.layers is None or layer not in self.layers:
             raise ValueError(f"layer {layer} is not one of the recorder's layers {self.layers}")
-        ids = topk_ids.detach().cpu().numpy() if isinstance(topk_ids, torch.Tensor) else np.asarray(topk_ids)
+        ids = _host_ids(topk_ids)
         if ids.dtype.kind not in "iu":
             raise TypeError(f"topk_ids must hold integer expert ids, got dtype {ids.dtype}")
         if ids.ndim < 2:
@@ -174,6 +175,21 @@ class RoutingRecorder:
         for layer, ids in forward.items():
             block[:, self.layers.index(layer)] = ids
         return block
+
+
+def _host_ids(topk_ids: object) -> np.ndarray:
+    """``topk_ids`` as a numpy array on the host, or an error in the recorder's words."""
+    if isinstance(topk_ids, torch.Tensor):
+        if topk_ids.layout != torch.strided:
+            raise TypeError(f"topk_ids must be a dense tensor, got layout {topk_ids.layout}")
+        if topk_ids.device.type == "meta":
+            raise ValueError("topk_ids is on the meta device: it holds no ids to record")
+        return topk_ids.detach().cpu().numpy()
+    try:
+        return np.asarray(topk_ids)
+    except (ValueError, TypeError) as error:  # a ragged list
+        reason = str(error).split(". ")[0]
+        raise ValueError(f"topk_ids must be a rectangular [T, K] array of integer ids ({reason})") from None
 
 
 def _layer_tuple(layers: Sequence[int]) -> tuple[int, ...]:
