@@ -145,7 +145,7 @@ def result_from_tensors(
 
 
 class FullGPUProvider(ExpertWeightProvider):
-    """Every expert already resident: the default path, costing one ``if``.
+    """Every expert already resident: the default path, with nothing to copy.
 
     Args:
         weights: ``{name: [E, *shape]}`` on the device the kernel runs on (``w1`` and ``w2``
@@ -153,11 +153,15 @@ class FullGPUProvider(ExpertWeightProvider):
         expert_map: optional ``[E_global]`` int32 map global id -> local index or -1 (EP);
             ``weights`` then hold only the local experts.
 
-    ``prepare`` never syncs: it checks the metadata of ``topk_ids``, and their values only
-    when they are on the CPU (``IndexError`` for an id outside ``[0, E_global)``, as a
-    host-mode cache raises); its only work is applying ``expert_map``. GPU ids are not read:
-    without a map, an id outside ``[0, E)`` reaches the kernel (`expertcache.kernels.moe_apply`
-    skips it and can count it, ``invalid_ids``); through a map, it comes out -1.
+    ``prepare`` never syncs. The metadata of ``topk_ids`` is checked always
+    (`check_topk_ids`; ``passes`` checks when called, not when its pass is taken), their
+    values only where they are read without a sync (on the CPU, outside ``torch.compile``):
+    ``IndexError`` for an id outside ``[0, E_global)``, as a host-mode cache raises. Ids it
+    cannot read (on a GPU, under ``torch.compile``) cost nothing without ``expert_map``: they
+    reach the kernel as they are (`expertcache.kernels.moe_apply` skips an id outside
+    ``[0, E)`` and can count it, ``invalid_ids``; a kernel of your own must bound-check, or
+    pass the identity map to have such ids come out -1 for one remap kernel a call). Through
+    a map every id outside ``[0, E_global)`` comes out -1, as a device-mode cache maps it.
     """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], *, expert_map: torch.Tensor | None = None) -> None:
@@ -173,16 +177,30 @@ class FullGPUProvider(ExpertWeightProvider):
                 )
         self.num_experts = num_experts
         self._tensors = dict(weights)
-        self.num_global_experts = num_experts
-        self._expert_map = None
-        if expert_map is not None:
-            self._expert_map = check_expert_map(expert_map, num_experts).to(self.device)
-            self.num_global_experts = int(self._expert_map.numel())
+        self._expert_map = None if expert_map is None else check_expert_map(expert_map, num_experts).to(self.device)
+        self.num_global_experts = num_experts if self._expert_map is None else int(self._expert_map.numel())
 
     def prepare(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
+        self._check(topk_ids)
+        return self._serve(topk_ids)
+
+    def passes(
+        self, topk_ids: torch.Tensor, *, overlap: bool = False, landing: bool = False
+    ) -> Iterator[ExpertWeightResult]:
+        """One pass, ``prepare(topk_ids)``, with the ids checked now (as a cache's ``passes``
+        checks them); no counters whatever ``landing`` (nothing is copied)."""
+        check_overlap(overlap)
+        check_flag("landing", landing)
+        self._check(topk_ids)
+        return (self._serve(topk_ids) for _ in range(1))  # served when first asked for
+
+    def _check(self, topk_ids: torch.Tensor) -> None:
+        """Check ``topk_ids``: metadata always, values where they are read without a sync."""
         check_topk_ids(topk_ids, self.device)
-        if topk_ids.device.type == "cpu" and not torch.compiler.is_compiling():  # read without a sync
+        if topk_ids.device.type == "cpu" and not torch.compiler.is_compiling():
             check_ids_in_range(topk_ids, self.num_global_experts)
-        if self._expert_map is not None:
-            return result_from_tensors(self._tensors, remap_topk_ids(topk_ids, self._expert_map))
-        return result_from_tensors(self._tensors, topk_ids.contiguous())
+
+    def _serve(self, topk_ids: torch.Tensor) -> ExpertWeightResult:
+        if self._expert_map is None:  # the default path: no kernel (ids read were in range; others are the kernel's)
+            return result_from_tensors(self._tensors, topk_ids.contiguous())
+        return result_from_tensors(self._tensors, remap_topk_ids(topk_ids, self._expert_map))

@@ -29,7 +29,12 @@ partition's expert count and scheme, K, H, hidden's dtype; `expertcache.parallel
 so every rank raises a Python error, none waits forever and gloo never aborts on blocks of
 different sizes. A failure after the cache has served the call (a collective that breaks,
 memory running out) leaves what the cache committed: each of the provider's passes is
-atomic, the call as a whole is not.
+atomic, the call as a whole is not. The slots then hold the experts they are booked for,
+so the next call computes as the reference does, when the ranks' collectives are still in
+step: after an error on every rank alike before the all-to-all, or on any rank after it
+(`tests/test_generator_ep_fixes.py`). A rank that fails alone before the all-to-all (its
+own compute, its own memory) leaves the others waiting in it until the group's timeout;
+torch.distributed does not recover from that: rebuild the process group.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from expertcache.integrations.transformers.decode_setup import (
     check_model,
     choose_tokens,
     decode_experts_implementation,
+    host_syncs,
     resolve_graphs,
     static_cache,
 )
@@ -68,7 +70,8 @@ class GraphedGenerator:
         graphs: ``True``, ``False`` or ``"auto"`` (graphs when the model is on CUDA and
             nothing in the step reads the device from the host: `host_syncs`).
         warmup_steps: eager decode steps (on a side stream, real tokens) before a bucket's
-            step is captured: they compile the kernels and settle lazy initialisation.
+            step is captured: they compile the kernels and settle lazy initialisation. Only
+            with graphs: refused with ``graphs=False``, a warning where "auto" runs eagerly.
 
     Raises:
         ValueError: graphs requested off CUDA, or with a host-mode expert cache or a routing
@@ -78,6 +81,12 @@ class GraphedGenerator:
         TypeError: a size that is not an integer (numpy's are; a bool or a float is not);
             ``graphs`` not a bool or ``"auto"``; ``model`` not a transformers model (an
             `ExpertCacheHandle`, say).
+
+    Warns:
+        UserWarning: once, here, when ``graphs="auto"`` runs the step eagerly (the model off
+            CUDA; a host read in the step, `host_syncs`) and ``warmup_steps`` is not the
+            default: nothing is captured, so the warm-up has no effect. "auto" is kept
+            portable (the same call runs on a CPU); drop ``warmup_steps`` to silence it.
     """
 
     def __init__(
@@ -108,6 +117,8 @@ class GraphedGenerator:
         self._calls = StepCalls.of(model, max_length, self.device)
         self._states: dict[int, Bucket] = {}
         self.replays = 0
+        if not self.graphs and warmup_steps != DEFAULT_WARMUP_STEPS:  # "auto" chose the eager path
+            warnings.warn(_eager_warmup_message(model, warmup_steps, self.device), stacklevel=2)
 
     @property
     def captured_buckets(self) -> tuple[int, ...]:
@@ -230,6 +241,16 @@ class GraphedGenerator:
             state.graph.replay()
             self.replays += 1
             return state.logits.clone()
+
+
+def _eager_warmup_message(model: Any, warmup_steps: int, device: torch.device) -> str:
+    """Why ``warmup_steps`` has no effect: what made ``graphs="auto"`` choose the eager path."""
+    reasons = ([] if device.type == "cuda" else [f"the model is on {device}, not a CUDA device"]) + host_syncs(model)
+    return (
+        f"warmup_steps={warmup_steps} has no effect: graphs='auto' runs the decode step eagerly here "
+        f"({'; '.join(reasons)}), so nothing is warmed up or captured. Drop warmup_steps (or pass "
+        f"graphs=True to require capture)"
+    )
 
 
 def timed_generate(runner: GraphedGenerator, input_ids: torch.Tensor, max_new_tokens: int, **options) -> GenerationRun:
