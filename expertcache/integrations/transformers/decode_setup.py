@@ -141,14 +141,13 @@ def _experts_implementation(module: nn.Module) -> str | None:
     other module, or when the config names none (transformers' default)."""
     binding = dispatch.binding_of(module)
     if binding is not None:
-        selection = binding.selection
-        return binding.implementation if selection is None else dispatch.chosen_implementation(selection)
+        return dispatch.chosen_implementation(binding.config, binding.implementation)
     if getattr(type(module).forward, "__wrapped__", None) is None or not hasattr(module, "is_transposed"):
         return None  # not an experts block of transformers' registry
     config = getattr(module, "config", None)
-    selection = dispatch.served_selection(config)  # a served model's config copy: what it stands for
-    if selection is not None:
-        return dispatch.chosen_implementation(selection)
+    wrapped = dispatch.stands_for(config)  # a served model's config copy: what it stands for
+    if wrapped is not None:
+        return wrapped
     named = getattr(config, "_experts_implementation", None)
     return None if named is None else str(named)
 

@@ -4,7 +4,8 @@
 ``config._experts_implementation`` in transformers' experts-function registry. The cache
 registers one more entry there; a served module's config names it (the served model's own
 copy of its config, `model_configs`: other models built from the same config object keep
-their implementation), and each call becomes::
+their implementation) as a `ServedName`, which also carries the implementation the cache
+wraps, and each call becomes::
 
     hidden [T, H], top_k_index [T, K] (expert ids), top_k_weights [T, K]
       -> provider.passes(top_k_index)            misses copied into slots, ids -> slot ids
@@ -21,6 +22,11 @@ into one output (bit-identical to the uncached call for ``batched_mm`` and the p
 kernels) and `slot_view` says what an implementation sees. An experts function may carry
 ``check(view)``: called on a `SlotView` of the whole pool before anything is copied, so
 what it refuses (raising) leaves the cache as it was.
+
+A model built from a served model's ``model.config`` holds that copy, unserved: its modules
+run the implementation the `ServedName` carries, on their own experts. The name lives on the
+copy itself, so it does so whatever became of the served model (dropped without
+``disable()``) and in a deep copy or a pickle of it.
 
 A forward pre-hook on each served module keeps two promises at every call: an
 implementation chosen with ``model.set_experts_implementation(...)`` while served is
@@ -51,19 +57,28 @@ IMPLEMENTATION_NAME = "expertcache"
 ExpertsFunction = Callable[..., torch.Tensor]
 
 
-@dataclass
-class Selection:
-    """The experts implementation that the blocks of one config run on the slots.
+class ServedName(str):
+    """`IMPLEMENTATION_NAME` as a served model's config copy holds it, carrying ``wraps``.
+
+    Equal to ``"expertcache"`` (what transformers dispatches on and reports), it also says
+    which implementation the cache runs on the slots: for the served blocks, and for the
+    modules of any other model holding the copy, which run it on their own experts. It
+    travels with the config (copies and pickles keep it) and is never saved: transformers
+    leaves the experts implementation out of ``config.json``.
 
     Attributes:
-        config: the (sub)config the blocks share (the served model's own copy); while served
-            it names `IMPLEMENTATION_NAME`.
-        name: the implementation to wrap (what the config named before, or what
-            ``set_experts_implementation`` chose since).
+        wraps: the implementation's registry name (``"eager"``, ``"batched_mm"``, ...).
     """
 
-    config: object
-    name: str
+    wraps: str
+
+    def __new__(cls, wraps: str) -> ServedName:
+        name = super().__new__(cls, IMPLEMENTATION_NAME)
+        name.wraps = str(wraps)
+        return name
+
+    def __reduce__(self) -> tuple[type[ServedName], tuple[str]]:
+        return ServedName, (self.wraps,)
 
 
 @dataclass
@@ -76,7 +91,8 @@ class Binding:
         parameter_of: cache name (``w1``, ``w2``, extras) -> the module's parameter name.
         layer: model layer index (for the routing trace).
         recorder: where to record ``top_k_index``, or None.
-        selection: the shared choice of implementation (None: ``inner`` is fixed).
+        config: the block's config (the served model's copy), where the choice of
+            implementation is read and written (None: ``inner`` is fixed).
         implementation: the registry name ``inner`` was resolved from.
         dtypes: parameter name -> dtype of the cached experts (checked at every call).
         hook: the handle of the module's forward pre-hook (removed by `unbind`).
@@ -88,7 +104,7 @@ class Binding:
     parameter_of: dict[str, str]
     layer: int
     recorder: RoutingRecorder | None = None
-    selection: Selection | None = None
+    config: object = None
     implementation: str = "eager"
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     hook: object = None
@@ -96,10 +112,6 @@ class Binding:
 
 
 _BINDINGS: weakref.WeakKeyDictionary[nn.Module, Binding] = weakref.WeakKeyDictionary()
-
-#: id of a served model's config copy -> its Selection (a Selection holds its config, so the
-#: id is not reused while the entry lives; weak: gone with the handle).
-_SERVED_CONFIGS: weakref.WeakValueDictionary[int, Selection] = weakref.WeakValueDictionary()
 
 
 def bind(module: nn.Module, binding: Binding) -> None:
@@ -165,29 +177,21 @@ def original_forward(module: nn.Module) -> ExpertsFunction:
     return forward
 
 
-def serve_config(selection: Selection, served: bool = True) -> None:
-    """Record (or, ``served=False``, forget) that ``selection.config`` is a served model's copy."""
-    if served:
-        _SERVED_CONFIGS[id(selection.config)] = selection
-    elif _SERVED_CONFIGS.get(id(selection.config)) is selection:
-        del _SERVED_CONFIGS[id(selection.config)]
+def stands_for(config: object) -> str | None:
+    """The implementation a config naming the cache stands for (its `ServedName`'s ``wraps``),
+    or None when ``config`` holds no `ServedName`."""
+    named = getattr(config, "_experts_implementation", None)
+    return named.wraps if isinstance(named, ServedName) else None
 
 
-def served_selection(config: object) -> Selection | None:
-    """The Selection of a served model's config copy ``config`` (which names the cache), or None.
-
-    Another model built from that copy (``from_config(served.config)``) holds it too, unserved:
-    its modules run the implementation the copy stands for, and a cache of its own wraps that.
-    """
-    selection = _SERVED_CONFIGS.get(id(config))
-    return selection if selection is not None and selection.config is config else None
-
-
-def chosen_implementation(selection: Selection) -> str:
-    """The implementation the blocks of ``selection`` should run now: a name the config was
-    given since (``set_experts_implementation``), else the one recorded."""
-    named = getattr(selection.config, "_experts_implementation", None)
-    return str(named) if named and named != IMPLEMENTATION_NAME else selection.name
+def chosen_implementation(config: object, current: str) -> str:
+    """The implementation the served blocks of ``config`` should run now: a name the config was
+    given since (``set_experts_implementation``), else the one its `ServedName` carries, else
+    ``current`` (the config names the cache without saying which: keep what runs)."""
+    named = getattr(config, "_experts_implementation", None)
+    if isinstance(named, ServedName):
+        return named.wraps
+    return str(named) if named and named != IMPLEMENTATION_NAME else current
 
 
 def set_config_implementation(config: object, name: object) -> None:
@@ -203,15 +207,14 @@ def _before_forward(module: nn.Module, args: tuple) -> None:
     binding = _BINDINGS.get(module)
     if binding is None:
         return
-    selection = binding.selection
-    if selection is not None:
-        name = chosen_implementation(selection)
+    config = binding.config
+    if config is not None:
+        name = chosen_implementation(config, binding.implementation)
         if name != binding.implementation:
             binding.inner = resolve(module, name)  # a bad name raises before anything changes
             binding.implementation = name
-        selection.name = name
-        if getattr(selection.config, "_experts_implementation", None) != IMPLEMENTATION_NAME:
-            set_config_implementation(selection.config, IMPLEMENTATION_NAME)
+        if stands_for(config) != name:
+            set_config_implementation(config, ServedName(name))
     for parameter_name, dtype in binding.dtypes.items():
         now = getattr(module, parameter_name).dtype
         if now != dtype:
@@ -248,9 +251,9 @@ def expertcache_experts_forward(
     """
     binding = _BINDINGS.get(self)
     if binding is None:
-        selection = served_selection(getattr(self, "config", None))
-        if selection is not None:  # a model built from a served model's config: not served
-            return resolve(self, chosen_implementation(selection))(self, hidden_states, top_k_index, top_k_weights)
+        wrapped = stands_for(getattr(self, "config", None))
+        if wrapped is not None:  # a model holding a served model's config copy: not served
+            return resolve(self, wrapped)(self, hidden_states, top_k_index, top_k_weights)
         raise RuntimeError(
             f"{type(self).__name__}'s config selects the {IMPLEMENTATION_NAME!r} experts "
             f"implementation, but no expert cache serves this module: call "

@@ -33,6 +33,8 @@ from expertcache.integrations.transformers.discovery import (
     model_family,
 )
 from expertcache.integrations.transformers.model_configs import ModelConfigs
+from expertcache.integrations.transformers.model_guards import guard_model
+from expertcache.integrations.transformers.model_parts import enclosing_model
 from expertcache.integrations.transformers.serving import (
     ServedBlock,
     block_layout,
@@ -94,7 +96,8 @@ def enable_expert_cache(
         NoExpertsError: the model has no MoE layers.
         ValueError: a setting out of range for this model (a ``device`` that does not exist
             here); a recorder set up for other layers or experts, or already recording
-            another served model; PinBudgetError: over the budget.
+            another served model; ``model`` is a part of a larger model sharing its config
+            (``model.model``: enable the cache on ``model``); PinBudgetError: over the budget.
         Nothing is changed when any of these is raised (the recorder included).
     """
     from expertcache.integrations.transformers.handle import ExpertCacheHandle  # it imports this module
@@ -120,6 +123,7 @@ def enable_expert_cache(
     config = _resolve_config(config, settings)
     if any(dispatch.is_bound(module) for module in model.modules()):
         raise RuntimeError("the expert cache is already enabled on this model; disable() it first")
+    _check_whole(model)
     blocks = check_cache_size(model, config.cache_size)
     _check_not_meta(model, blocks)
     target = resolve_device(config.device or blocks[0].module.get_parameter("gate_up_proj").device)
@@ -133,17 +137,13 @@ def enable_expert_cache(
     served = serve_blocks(blocks, config, target, pool)
     if recorder is not None:
         recorder.describe(**description)  # checked on a copy above: cannot fail
-    configs.install()  # the selection below goes on this model's copies, not on a shared config
-    handle = ExpertCacheHandle(config, served, recorder, expert_bytes, configs)
+    configs.install()  # the names below go on this model's copies, not on a shared config
     for item in served:
         block_config = getattr(item.block.module, "config")  # noqa: B009 - set by the decorator
         name, function = inner[item.block.name]
-        selection = handle._selections.setdefault(id(block_config), dispatch.Selection(block_config, name))
-        dispatch.bind(item.block.module, _binding(item, function, recorder, selection, name))
-    for selection in handle._selections.values():
-        dispatch.set_config_implementation(selection.config, dispatch.IMPLEMENTATION_NAME)
-        dispatch.serve_config(selection)
-    return handle
+        dispatch.bind(item.block.module, _binding(item, function, recorder, block_config, name))
+        dispatch.set_config_implementation(block_config, dispatch.ServedName(name))
+    return ExpertCacheHandle(config, served, recorder, expert_bytes, configs, guard_model(model, blocks))
 
 
 def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
@@ -218,6 +218,18 @@ def _check_recorder(recorder: RoutingRecorder | None, model: nn.Module, blocks: 
     return description
 
 
+def _check_whole(model: nn.Module) -> None:
+    outer = enclosing_model(model)
+    if outer is not None:
+        name = type(outer).__name__
+        raise ValueError(
+            f"{type(model).__name__} is part of a {name} that shares its config (transformers builds a model's "
+            f"inner models on its config object): serving only the part would leave the {name}'s config, "
+            f"set_experts_implementation, save_pretrained and load_state_dict unaware of the cache. Call "
+            f"enable_expert_cache on the {name} instead (it serves the same expert blocks); nothing was changed"
+        )
+
+
 def _check_not_meta(model: nn.Module, blocks: list[ExpertBlock]) -> None:
     for block in blocks:
         if any(block.module.get_parameter(name).is_meta for name in block.parameter_names):
@@ -237,27 +249,25 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> tuple[str,
     config = getattr(block.module, "config")  # noqa: B009 - set by the decorator
     previous = str(config._experts_implementation or "eager")
     if previous == dispatch.IMPLEMENTATION_NAME:
-        selection = dispatch.served_selection(config)  # built from a served model's config: what it wraps
-        if selection is None:
+        wrapped = dispatch.stands_for(config)  # a served model's config copy: what it stands for
+        if wrapped is None:
             raise RuntimeError(
                 f"{block.name} selects the {previous!r} experts implementation, which no expert cache serves: "
                 f"select the implementation the cache should wrap (model.set_experts_implementation('grouped_mm'), "
                 f"'batched_mm', 'eager', ...), then enable the cache"
             )
-        previous = dispatch.chosen_implementation(selection)
+        previous = wrapped
     try:
         return previous, dispatch.resolve(block.module, previous)
     except KeyError as error:  # a name transformers' setter took for another class's registry
         raise ValueError(f"{block.name}: {error.args[0]}") from None
 
 
-def _binding(
-    item: ServedBlock, inner, recorder, selection: dispatch.Selection, implementation: str
-) -> dispatch.Binding:
+def _binding(item: ServedBlock, inner, recorder, config: object, implementation: str) -> dispatch.Binding:
     block = item.block
     parameter_of = {block.cache_name(name): name for name in block.parameter_names}
     dtypes = {name: saved.dtype for name, saved in item.saved.items()}
     return dispatch.Binding(
         item.provider, inner, parameter_of, block.layer, recorder,
-        selection=selection, implementation=implementation, dtypes=dtypes,
+        config=config, implementation=implementation, dtypes=dtypes,
     )  # fmt: skip

@@ -3,8 +3,9 @@
 The handle reports the cache's statistics (per expert block and in total), the providers
 serving each block and the bytes they hold; ``disable()`` puts the original weights back
 (`serving.restored_weights`, then `serving.put_back` for every block once all are built),
-all or nothing, re-selects the experts implementation each config names now and gives the
-model its original config objects back (`model_configs`).
+all or nothing, re-selects the experts implementation each config names now, removes the
+guards against loading and saving (`model_guards`) and gives the model its original config
+objects back (`model_configs`).
 `enable_expert_cache` and `check_cache_size`, which make the handle, live in `enabling`
 and are re-exported here.
 """
@@ -22,6 +23,7 @@ from expertcache.config import ExpertCacheConfig
 from expertcache.integrations.transformers import dispatch
 from expertcache.integrations.transformers.enabling import check_cache_size, enable_expert_cache
 from expertcache.integrations.transformers.model_configs import ModelConfigs
+from expertcache.integrations.transformers.model_guards import ModelGuards
 from expertcache.integrations.transformers.serving import (
     ServedBlock,
     bytes_needed,
@@ -73,13 +75,14 @@ class ExpertCacheHandle:
         recorder: RoutingRecorder | None,
         expert_bytes: int,
         model_configs: ModelConfigs,
+        guards: ModelGuards,
     ) -> None:
         self.config = config
         self.recorder = recorder
         self._served = served
         self._model_configs = model_configs
+        self._guards = guards
         self._layers = tuple(item.block.name for item in served)
-        self._selections: dict[int, dispatch.Selection] = {}
         self._final_stats: ExpertCacheStats | None = None
         self._expert_bytes = expert_bytes
 
@@ -159,16 +162,28 @@ class ExpertCacheHandle:
                 f"disable(to={to!r}) ran out of memory putting the experts back: nothing changed, the cache "
                 f"still serves the model; free memory or call disable(to='cpu')"
             ) from error
+        chosen = self._chosen_implementations()  # read before unbinding: the bindings know it
         # Nothing below can fail: the model switches back in one step.
         for item, restored in zip(self._served, weights, strict=True):
             dispatch.unbind(item.block.module)
             put_back(item, restored)
-        for selection in self._selections.values():
-            dispatch.set_config_implementation(selection.config, dispatch.chosen_implementation(selection))
-            dispatch.serve_config(selection, served=False)
+        for block_config, name in chosen:
+            dispatch.set_config_implementation(block_config, name)
+        self._guards.remove()
         self._model_configs.give_back()  # with the implementation chosen, if one was since enabling
         self._served = []  # drops the providers: the slots and the pinned store are freed
         self._final_stats = final
+
+    def _chosen_implementations(self) -> list[tuple[object, str]]:
+        """Each served config copy and the implementation its blocks run now (or were told to
+        run since their last call), which it names once disabled."""
+        chosen: dict[int, tuple[object, str]] = {}
+        for item in self._served:
+            binding = dispatch.binding_of(item.block.module)
+            if binding is not None and binding.config is not None and id(binding.config) not in chosen:
+                name = dispatch.chosen_implementation(binding.config, binding.implementation)
+                chosen[id(binding.config)] = (binding.config, name)
+        return list(chosen.values())
 
     def _check_room(self, needed: dict[torch.device, int]) -> None:
         for device, size in needed.items():

@@ -7,28 +7,35 @@ checkpoint without experts; ``copy.deepcopy`` and pickling (``torch.save(model)`
 model without experts that no cache serves. Each served module carries a `SaveGuard`,
 registered as its state-dict pre-hook (so it travels in the module's hooks, where a deep
 copy or a pickle meets it): all three raise, naming ``disable()``, before anything is
-returned or written. ``unbind`` removes it (`dispatch`).
+returned or written. ``unbind`` removes it (`dispatch`). ``save_pretrained`` writes
+``config.json`` before it asks for the state dict, so each transformers model above the
+experts also gets a SaveGuard as its ``save_pretrained``, refusing at the call
+(`model_guards`).
 """
 
 from __future__ import annotations
 
 from typing import NoReturn
 
-from torch import nn
+#: What a SaveGuard refuses when called as a state-dict pre-hook.
+STATE_DICT = "state_dict() (save_pretrained, torch.save(model.state_dict()))"
 
 
 class SaveGuard:
-    """Refuses ``state_dict``, ``copy.deepcopy`` and pickling of the module it guards.
+    """Refuses ``state_dict``, ``copy.deepcopy`` and pickling of the module it guards, and
+    any call of itself (as a state-dict pre-hook, or standing in for ``save_pretrained``).
 
     Args:
-        where: names the module in the error (``"Qwen3MoeExperts"``).
+        where: names the served module in the error (``"Qwen3MoeExperts"``).
+        what: names what a call of it does, in the error.
     """
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, what: str = STATE_DICT) -> None:
         self.where = where
+        self.what = what
 
-    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self._refuse("state_dict() (save_pretrained, torch.save(model.state_dict()))")
+    def __call__(self, *args: object, **kwargs: object) -> NoReturn:
+        self._refuse(self.what)
 
     def __deepcopy__(self, memo: dict) -> NoReturn:
         self._refuse("copy.deepcopy")
