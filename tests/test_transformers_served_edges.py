@@ -36,7 +36,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 from transformers.integrations.moe import ExpertsInterface
 from transformers_helpers import TINY, logits_of, prompt, tiny_model
 
-from expertcache.integrations.transformers import IMPLEMENTATION_NAME, enable_expert_cache
+from expertcache.integrations.transformers import IMPLEMENTATION_NAME, dispatch, enable_expert_cache
 from expertcache.integrations.transformers.dispatch import original_forward
 from expertcache.integrations.transformers.random_models import random_config
 from expertcache.kernels._launch import INTERPRETED
@@ -105,15 +105,23 @@ def _pickled(model):
 
 
 @pytest.mark.parametrize("copier", [copy.deepcopy, _pickled], ids=["deepcopy", "torch.save"])
-def test_a_copy_of_a_model_of_a_served_config_runs_and_can_be_served(copier, tmp_path):
+def test_a_copy_of_a_model_of_a_served_config_says_how_to_run(copier, tmp_path):
+    """A copy of a model built from a served config holds a config that names the cache but
+    no longer says which implementation it stands for (that lives beside the original
+    config, not in it: a str subclass on the config broke torch.compile). Its forward says
+    how to choose one; once chosen it runs as the original and can be served."""
     served, handle, tokens, reference, state = _served()
+    wraps = dispatch.stands_for(served.config)
     torch.manual_seed(1)
     other = AutoModelForCausalLM.from_config(served.config).eval()
     own = logits_of(other, tokens)
     twin = copier(other)
     assert twin.config is not served.config and twin.config._experts_implementation == IMPLEMENTATION_NAME
-    assert torch.equal(logits_of(twin, tokens), own)  # was: RuntimeError, no expert cache serves this module
-    twin_handle = enable_expert_cache(twin, cache_size=4)  # was: refused
+    with pytest.raises(RuntimeError, match=r"set_experts_implementation"):
+        logits_of(twin, tokens)
+    twin.set_experts_implementation(wraps)
+    assert torch.equal(logits_of(twin, tokens), own)
+    twin_handle = enable_expert_cache(twin, cache_size=4)
     _close(logits_of(twin, tokens), own)
     twin_handle.disable()
     twin.save_pretrained(tmp_path)  # the cache's name is not saved: the checkpoint is an ordinary one

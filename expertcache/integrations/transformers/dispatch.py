@@ -4,8 +4,8 @@
 ``config._experts_implementation`` in transformers' experts-function registry. The cache
 registers one more entry there; a served module's config names it (the served model's own
 copy of its config, `model_configs`: other models built from the same config object keep
-their implementation) as a `ServedName`, which also carries the implementation the cache
-wraps, and each call becomes::
+their implementation), standing for the implementation the cache wraps (`name_served`),
+and each call becomes::
 
     hidden [T, H], top_k_index [T, K] (expert ids), top_k_weights [T, K]
       -> provider.passes(top_k_index)            misses copied into slots, ids -> slot ids
@@ -24,9 +24,10 @@ kernels) and `slot_view` says what an implementation sees. An experts function m
 what it refuses (raising) leaves the cache as it was.
 
 A model built from a served model's ``model.config`` holds that copy, unserved: its modules
-run the implementation the `ServedName` carries, on their own experts. The name lives on the
-copy itself, so it does so whatever became of the served model (dropped without
-``disable()``) and in a deep copy or a pickle of it.
+run the implementation the copy stands for, on their own experts, for as long as the copy
+lives (whatever became of the served model: dropped without ``disable()`` too). A deep copy
+or a pickle of such a model holds a new config object that names the cache without saying
+which implementation: its forward says to choose one (``set_experts_implementation``).
 
 A forward pre-hook on each served module keeps two promises at every call: an
 implementation chosen with ``model.set_experts_implementation(...)`` while served is
@@ -57,28 +58,22 @@ IMPLEMENTATION_NAME = "expertcache"
 ExpertsFunction = Callable[..., torch.Tensor]
 
 
-class ServedName(str):
-    """`IMPLEMENTATION_NAME` as a served model's config copy holds it, carrying ``wraps``.
+#: id(config) -> the implementation a served config copy's ``"expertcache"`` stands for. An
+#: entry lives as long as its config object (a finalizer drops it), so a model built from
+#: the copy runs it whatever became of the served model. A plain ``str`` on the config itself
+#: would be the cleaner home, but transformers dispatches on the config's name inside
+#: compiled code, where a ``str`` subclass is no constant, and saves any other attribute.
+_STANDS_FOR: dict[int, str] = {}
 
-    Equal to ``"expertcache"`` (what transformers dispatches on and reports), it also says
-    which implementation the cache runs on the slots: for the served blocks, and for the
-    modules of any other model holding the copy, which run it on their own experts. It
-    travels with the config (copies and pickles keep it) and is never saved: transformers
-    leaves the experts implementation out of ``config.json``.
 
-    Attributes:
-        wraps: the implementation's registry name (``"eager"``, ``"batched_mm"``, ...).
-    """
-
-    wraps: str
-
-    def __new__(cls, wraps: str) -> ServedName:
-        name = super().__new__(cls, IMPLEMENTATION_NAME)
-        name.wraps = str(wraps)
-        return name
-
-    def __reduce__(self) -> tuple[type[ServedName], tuple[str]]:
-        return ServedName, (self.wraps,)
+def name_served(config: object, wraps: str) -> None:
+    """Make ``config`` name the cache, standing for ``wraps`` (the implementation the cache
+    runs on the slots, and any other model holding ``config`` runs on its own experts)."""
+    key = id(config)
+    if key not in _STANDS_FOR:
+        weakref.finalize(config, _STANDS_FOR.pop, key, None)
+    _STANDS_FOR[key] = str(wraps)
+    set_config_implementation(config, IMPLEMENTATION_NAME)
 
 
 @dataclass
@@ -178,20 +173,21 @@ def original_forward(module: nn.Module) -> ExpertsFunction:
 
 
 def stands_for(config: object) -> str | None:
-    """The implementation a config naming the cache stands for (its `ServedName`'s ``wraps``),
-    or None when ``config`` holds no `ServedName`."""
-    named = getattr(config, "_experts_implementation", None)
-    return named.wraps if isinstance(named, ServedName) else None
+    """The implementation a config naming the cache stands for (`name_served`), or None when
+    ``config`` names another, or was never named so (a deep copy of a served config)."""
+    if getattr(config, "_experts_implementation", None) != IMPLEMENTATION_NAME:
+        return None
+    return _STANDS_FOR.get(id(config))
 
 
 def chosen_implementation(config: object, current: str) -> str:
     """The implementation the served blocks of ``config`` should run now: a name the config was
-    given since (``set_experts_implementation``), else the one its `ServedName` carries, else
-    ``current`` (the config names the cache without saying which: keep what runs)."""
+    given since (``set_experts_implementation``), else the one it stands for (`name_served`),
+    else ``current`` (the config names the cache without saying which: keep what runs)."""
     named = getattr(config, "_experts_implementation", None)
-    if isinstance(named, ServedName):
-        return named.wraps
-    return str(named) if named and named != IMPLEMENTATION_NAME else current
+    if named == IMPLEMENTATION_NAME:
+        return stands_for(config) or current
+    return str(named) if named else current
 
 
 def set_config_implementation(config: object, name: object) -> None:
@@ -214,7 +210,7 @@ def _before_forward(module: nn.Module, args: tuple) -> None:
             binding.inner = resolve(module, name)  # a bad name raises before anything changes
             binding.implementation = name
         if stands_for(config) != name:
-            set_config_implementation(config, ServedName(name))
+            name_served(config, name)
     for parameter_name, dtype in binding.dtypes.items():
         now = getattr(module, parameter_name).dtype
         if now != dtype:
@@ -255,9 +251,10 @@ def expertcache_experts_forward(
         if wrapped is not None:  # a model holding a served model's config copy: not served
             return resolve(self, wrapped)(self, hidden_states, top_k_index, top_k_weights)
         raise RuntimeError(
-            f"{type(self).__name__}'s config selects the {IMPLEMENTATION_NAME!r} experts "
-            f"implementation, but no expert cache serves this module: call "
-            f"expertcache.integrations.transformers.enable_expert_cache(model, ...)"
+            f"{type(self).__name__}'s config selects the {IMPLEMENTATION_NAME!r} experts implementation, but no "
+            f"expert cache serves this module (a copy of a model built from a served model's config?): choose "
+            f"the implementation to run, model.set_experts_implementation('eager' | 'grouped_mm' | 'batched_mm' "
+            f"| ...), then enable_expert_cache(model, ...) if it should be served"
         )
     if binding.recorder is not None:
         binding.recorder.record(binding.layer, top_k_index)

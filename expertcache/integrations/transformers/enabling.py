@@ -142,7 +142,7 @@ def enable_expert_cache(
         block_config = getattr(item.block.module, "config")  # noqa: B009 - set by the decorator
         name, function = inner[item.block.name]
         dispatch.bind(item.block.module, _binding(item, function, recorder, block_config, name))
-        dispatch.set_config_implementation(block_config, dispatch.ServedName(name))
+        dispatch.name_served(block_config, name)
     return ExpertCacheHandle(config, served, recorder, expert_bytes, configs, guard_model(model, blocks))
 
 
