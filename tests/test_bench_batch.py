@@ -134,8 +134,9 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path, batch):
              "--fractions", "0.25", "--serial", "0.25", "--unlanded", "0.25", "--landed-whole", "0.25", "--coded",
              "--prefetch", "--layers", "2"]  # fmt: skip
     command = [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags]
+    # interpreted kernels: ~280 s on the GPU machine's CPUs beside 13 other test workers (runs 109-110)
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path)
+        command, capture_output=True, text=True, timeout=900, cwd=BENCHMARKS, env=traces_env(tmp_path)
     )
     assert done.returncode == 0, done.stderr[-2000:]
     path = Path(re.search(r"^CSV: (.+)$", done.stdout, re.MULTILINE).group(1))
