@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import socket
 import sys
 from pathlib import Path
 
@@ -136,3 +137,10 @@ def traces_env(folder) -> dict[str, str]:
     if real_traces().is_dir():
         return dict(os.environ)
     return {**os.environ, "EXPERTCACHE_TRACES": str(synthetic_qwen3_traces(folder))}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a process group's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

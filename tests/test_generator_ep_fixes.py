@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import warnings
 from datetime import timedelta
 
@@ -26,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import random_weights
+from helpers import free_port, random_weights
 from transformers_helpers import TINY, tiny_model
 
 import expertcache.parallel.layer as layer_module
@@ -152,12 +151,6 @@ EP_EXPERTS = 8  # two ranks own 0..3 and 4..7
 EP_WEIGHTS = random_weights(EP_EXPERTS, HIDDEN, INTER, generator=torch.Generator().manual_seed(9))
 FIRST = torch.tensor([[0, 4], [1, 5], [0, 5], [1, 4]])  # each rank's two slots: 0, 1 | 4, 5
 SECOND = torch.tensor([[2, 6], [3, 7], [2, 7], [3, 6]])  # evicts all of them: 2, 3 | 6, 7
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_an_error_after_the_cache_served_leaves_a_layer_that_still_equals_the_reference():

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import queue
 import re
-import socket
 import sys
 import threading
 import time
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import devices
-from helpers import random_weights
+from helpers import free_port, random_weights
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -180,16 +179,10 @@ def test_invalid_ids_and_overflows_are_exported_with_their_help(device):
 # -- two ranks, two processes -------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn_two_ranks(check) -> None:
     """Run ``check(rank)`` on two gloo ranks; fail (after stopping them) if they are not done
     by the deadline: a rank left waiting in a collective must fail the test, not hang it."""
-    context = mp.spawn(_run_rank, args=(_free_port(), check), nprocs=2, join=False)
+    context = mp.spawn(_run_rank, args=(free_port(), check), nprocs=2, join=False)
     deadline = time.monotonic() + DEADLINE_S
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:

@@ -20,14 +20,13 @@ The two-rank checks run in two spawned processes over gloo, with a short collect
 from __future__ import annotations
 
 import math
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import random_weights
+from helpers import free_port, random_weights
 from prometheus_client import CollectorRegistry, generate_latest
 
 from expertcache import CachedWeightProvider
@@ -148,14 +147,8 @@ def test_gather_stats_refuses_counters_that_are_not_int64_counts(one_rank_group,
 # -- two ranks, two processes -------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_ranks_that_disagree_raise_alike_and_none_waits():
-    mp.spawn(_run_two_ranks, args=(_free_port(),), nprocs=2, join=True)
+    mp.spawn(_run_two_ranks, args=(free_port(),), nprocs=2, join=True)
 
 
 def _run_two_ranks(rank: int, port: int) -> None:

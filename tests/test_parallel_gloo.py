@@ -9,19 +9,12 @@ manifests agree with what every rank did. The checks run inside the ranks
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch.multiprocessing as mp
+from helpers import free_port
 from parallel_worker import run_rank
 
 STEPS = 60
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize(

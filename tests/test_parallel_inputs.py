@@ -10,7 +10,6 @@ to compute loads nothing; pacing belongs to the layer that asked for it.
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import random_weights
+from helpers import free_port, random_weights
 
 from expertcache import CachedWeightProvider
 from expertcache.parallel import (
@@ -350,12 +349,6 @@ def test_a_pacer_routes_copies_only_while_its_call_runs():
 
 
 # -- two ranks: what only several ranks can get wrong (findings 3, 7) ---------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_ranks_raise_alike_instead_of_aborting():

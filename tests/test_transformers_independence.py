@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from transformers_helpers import NEW_TOKENS, TINY, logits_of, prompt, tiny_model
+from transformers_helpers import NEW_TOKENS, TINY, logits_of, multimodal_config, prompt, tiny_model
 
 from expertcache.integrations.transformers import IMPLEMENTATION_NAME, enable_expert_cache
 from expertcache.integrations.transformers.random_models import random_config
@@ -106,18 +106,9 @@ def test_each_model_of_one_config_enables_and_disables_on_its_own(first):
 
 def _multimodal_twins():
     """Two Qwen3-VL-MoE models of one composite config (the experts under ``text_config``)."""
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    from transformers import Qwen3VLMoeForConditionalGeneration
 
-    text = {
-        "vocab_size": TINY.vocab, "hidden_size": TINY.hidden, "intermediate_size": 2 * TINY.intermediate,
-        "moe_intermediate_size": TINY.intermediate, "num_hidden_layers": TINY.num_moe_layers,
-        "num_attention_heads": TINY.heads, "num_key_value_heads": TINY.heads // 2, "head_dim": TINY.head_dim,
-        "num_experts": TINY.num_experts, "num_experts_per_tok": TINY.top_k,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
-    }  # fmt: skip
-    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": TINY.hidden,
-              "deepstack_visual_indexes": [0]}  # fmt: skip
-    config = Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+    config = multimodal_config()
     models = []
     for seed in (0, 1):
         torch.manual_seed(seed)

@@ -34,7 +34,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM
 from transformers.integrations.moe import ExpertsInterface
-from transformers_helpers import TINY, logits_of, prompt, tiny_model
+from transformers_helpers import TINY, logits_of, multimodal_config, prompt, tiny_model
 
 from expertcache.integrations.transformers import IMPLEMENTATION_NAME, dispatch, enable_expert_cache
 from expertcache.integrations.transformers.dispatch import original_forward
@@ -229,19 +229,10 @@ def test_enabling_on_a_part_of_a_model_is_refused_and_changes_nothing():
 
 def _multimodal():
     """A Qwen3-VL-MoE model: its experts under ``text_config``, a sub-config of the model's."""
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    from transformers import Qwen3VLMoeForConditionalGeneration
 
-    text = {
-        "vocab_size": TINY.vocab, "hidden_size": TINY.hidden, "intermediate_size": 2 * TINY.intermediate,
-        "moe_intermediate_size": TINY.intermediate, "num_hidden_layers": TINY.num_moe_layers,
-        "num_attention_heads": TINY.heads, "num_key_value_heads": TINY.heads // 2, "head_dim": TINY.head_dim,
-        "num_experts": TINY.num_experts, "num_experts_per_tok": TINY.top_k,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
-    }  # fmt: skip
-    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": TINY.hidden,
-              "deepstack_visual_indexes": [0]}  # fmt: skip
     torch.manual_seed(0)
-    return Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(text_config=text, vision_config=vision)).eval()
+    return Qwen3VLMoeForConditionalGeneration(multimodal_config()).eval()
 
 
 def test_enabling_on_the_text_tower_of_a_model_is_refused():
