@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from expertcache import CachedWeightProvider
 from expertcache.metrics import CacheCollector
-from expertcache.sim import TraceCalls, replay, replay_streams, trace_calls, unbounded
+from expertcache.sim import ReplayResult, TraceCalls, replay, replay_streams, trace_calls, unbounded
 from expertcache.trace import RoutingRecorder, RoutingTrace, load_trace, trace_files
 from expertcache.trace.errors import TraceFileError
 
@@ -217,3 +217,12 @@ def test_a_trace_or_a_stream_given_to_the_wrong_replay_says_which_to_call():
     with pytest.raises(TypeError, match=r"streams\[1\] is a list, not a TraceCalls"):
         replay_streams([stream, [[0, 1]]], policy="lru", capacity=4)
     assert replay_streams([stream], policy="lru", capacity=4) == replay(stream.calls, policy="lru", capacity=4)
+
+
+@pytest.mark.parametrize("other", [1, (0, 0, 0, 0), None])
+def test_a_replay_result_adds_only_replay_results(other):
+    """Summing results with anything else was an AttributeError from inside ``__add__``."""
+    result = ReplayResult(1, 2, 0, 1)
+    with pytest.raises(TypeError, match="ReplayResult"):
+        result + other  # noqa: B018
+    assert result + ReplayResult(1, 0, 0, 1) == ReplayResult(2, 2, 0, 2)  # control

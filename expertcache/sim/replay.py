@@ -68,7 +68,9 @@ class ReplayResult:
         """hits / lookups; 1.0 when there was no lookup."""
         return self.hits / self.lookups if self.lookups else 1.0
 
-    def __add__(self, other: ReplayResult) -> ReplayResult:
+    def __add__(self, other: object) -> ReplayResult:
+        if not isinstance(other, ReplayResult):
+            return NotImplemented  # Python's TypeError names both types
         return ReplayResult(
             self.hits + other.hits,
             self.misses + other.misses,
