@@ -50,3 +50,13 @@ def devices() -> list:
     interpreter, the kernels' torch references run).
     """
     return [pytest.param("cuda", marks=pytest.mark.gpu)] if HAS_CUDA else ["cpu"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Qwen2-MoE saved with save_pretrained (no tokenizer: prompts are token ids)."""
+    from transformers_helpers import tiny_model
+
+    path = tmp_path_factory.mktemp("qwen2_moe")
+    tiny_model("qwen2_moe").save_pretrained(path)
+    return path

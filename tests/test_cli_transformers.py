@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from test_cli_errors import _check_one_line
-from transformers_helpers import TINY, tiny_model
+from transformers_helpers import TINY
 
 from expertcache.cli import add_cache_arguments, cache_config_from_args, main
 from expertcache.config import DEFAULT_BUDGET, ExpertCacheConfig, parse_byte_size
@@ -78,14 +78,6 @@ def test_malformed_flags_are_rejected_by_the_parser(argv, message, capsys):
 )
 def test_byte_sizes(text, expected):
     assert parse_byte_size(text) == expected
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny Qwen2-MoE saved with save_pretrained (no tokenizer: prompts are token ids)."""
-    path = tmp_path_factory.mktemp("qwen2_moe")
-    tiny_model("qwen2_moe").save_pretrained(path)
-    return path
 
 
 def test_generate_on_a_saved_checkpoint(checkpoint, capsys, tmp_path):

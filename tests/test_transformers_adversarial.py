@@ -164,13 +164,6 @@ def test_a_model_built_from_a_served_models_config_runs_its_own_experts(family):
 # -- 5. the command line ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2_moe")
-    tiny_model("qwen2_moe").save_pretrained(path)
-    return path
-
-
 def test_generate_with_an_implementation_that_cannot_run_here(checkpoint, monkeypatch, capsys):
     from transformers.integrations.moe import ExpertsInterface
 
