@@ -42,6 +42,7 @@ from expertcache.kernels._launch import on_device
 from expertcache.kernels.commit import commit_plan
 from expertcache.mover import copy_with_engine, copy_with_kernel, restore_slots
 from expertcache.passes import group_passes
+from expertcache.validation import check_id_bounds
 
 if TYPE_CHECKING:
     from expertcache.slot_pool import PoolLayer, SlotPool
@@ -230,9 +231,9 @@ def keys_from_first_positions(layer: PoolLayer, summary: np.ndarray, num_ids: in
     Raises:
         IndexError: an id outside ``[0, E_global)``.
     """
-    first, low, high = summary[:-2], int(summary[-2]), int(summary[-1])
-    if num_ids and (low < 0 or high >= layer.num_global):
-        raise IndexError(f"expert id {low if low < 0 else high} in topk_ids is outside [0, {layer.num_global})")
+    first = summary[:-2]
+    if num_ids:
+        check_id_bounds(int(summary[-2]), int(summary[-1]), layer.num_global)
     seen = np.flatnonzero(first < num_ids)
     local = layer.global_to_local_host[seen[np.argsort(first[seen], kind="stable")]]
     return (local[local >= 0] + layer.key_offset).tolist()
@@ -259,9 +260,8 @@ def local_keys(layer: PoolLayer, ids_host: np.ndarray) -> list[int]:
         IndexError: an id outside ``[0, E_global)``.
     """
     flat = ids_host.reshape(-1)
-    if flat.size and (flat.min() < 0 or flat.max() >= layer.num_global):
-        bad = flat[(flat < 0) | (flat >= layer.num_global)][0]
-        raise IndexError(f"expert id {bad} in topk_ids is outside [0, {layer.num_global})")
+    if flat.size:
+        check_id_bounds(int(flat.min()), int(flat.max()), layer.num_global)
     local = layer.global_to_local_host[flat]
     local = local[local >= 0]
     _, first = np.unique(local, return_index=True)

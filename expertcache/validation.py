@@ -154,13 +154,31 @@ def check_ids_in_range(topk_ids: torch.Tensor, num_ids: int, *, name: str = "top
     need a sync to read: device paths map such ids to -1 instead).
 
     Raises:
-        IndexError: an id outside ``[0, num_ids)``, named in the message.
+        IndexError: an id outside ``[0, num_ids)``, named in the message (`check_id_bounds`).
     """
     if topk_ids.numel() == 0:
         return
     low, high = (int(bound) for bound in torch.aminmax(topk_ids))
-    if low < 0 or high >= num_ids:
-        raise IndexError(f"expert id {low if low < 0 else high} in {name} is outside [0, {num_ids})")
+    check_id_bounds(low, high, num_ids, name=name)
+
+
+def check_id_bounds(low: int, high: int, num_ids: int, *, name: str = "topk_ids", skip_id: bool = False) -> None:
+    """The expert-id range rule, on the smallest and largest id of a non-empty call, already
+    read to the host (each caller reads them its own way, in the syncs it already has).
+
+    Args:
+        low, high: the call's smallest and largest id.
+        num_ids: ids must be below it (``E_global``).
+        skip_id: -1 is allowed too (it means "skip this choice"), and the message says so.
+
+    Raises:
+        IndexError: ``low`` below 0 (below -1 with ``skip_id``) or ``high >= num_ids``; the
+            message names the smallest id when it is too small, else the largest.
+    """
+    first = -1 if skip_id else 0
+    if low < first or high >= num_ids:
+        skip = " (-1 = skip)" if skip_id else ""
+        raise IndexError(f"expert id {low if low < first else high} in {name} is outside [{first}, {num_ids}){skip}")
 
 
 def check_expert_map(expert_map: object, num_local_experts: int, *, name: str = "expert_map") -> torch.Tensor:

@@ -44,7 +44,7 @@ from expertcache.policies import EvictionPolicy
 from expertcache.reference import expert_outputs
 from expertcache.stats import CacheStats
 from expertcache.store import CPUBackingStore
-from expertcache.validation import check_topk_ids
+from expertcache.validation import check_id_bounds, check_topk_ids
 
 
 class LocalExperts:
@@ -200,9 +200,7 @@ class LocalExperts:
         if topk_ids.numel() == 0:
             return topk_ids[:0]
         low, high = torch.stack(torch.aminmax(topk_ids)).tolist()  # the range check's one host read
-        if low < -1 or high >= self.partition.num_experts:
-            bad = low if low < -1 else high
-            raise IndexError(f"expert id {bad} in topk_ids is outside [-1, {self.partition.num_experts}) (-1 = skip)")
+        check_id_bounds(low, high, self.partition.num_experts, skip_id=True)
         if high == -1:
             return topk_ids[:0]
         # Other ids outside this rank stay: the provider maps them to -1 and loads nothing.

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedConfig
 
 from expertcache.config import ExpertCacheConfig, cache_size_range
 from expertcache.integrations.transformers import dispatch
@@ -222,8 +223,9 @@ def _check_whole(model: nn.Module) -> None:
     outer = enclosing_model(model)
     if outer is not None:
         name = type(outer).__name__
+        what = "is part of" if isinstance(getattr(model, "config", None), PreTrainedConfig) else "holds a part of"
         raise ValueError(
-            f"{type(model).__name__} is part of a {name} that shares its config (transformers builds a model's "
+            f"{type(model).__name__} {what} a {name} that shares its config (transformers builds a model's "
             f"inner models on its config object): serving only the part would leave the {name}'s config, "
             f"set_experts_implementation, save_pretrained and load_state_dict unaware of the cache. Call "
             f"enable_expert_cache on the {name} instead (it serves the same expert blocks); nothing was changed"

@@ -6,14 +6,17 @@ tower holds its ``config.text_config``). Serving only the inner model gave it a 
 config (`model_configs`) while the outer model kept the original, so the outer model's
 ``set_experts_implementation``, ``model.config`` changes, ``save_pretrained`` and
 ``load_state_dict`` did not see the cache. Enabling on such a part is refused, naming the
-model to enable it on; a model of its own that merely shares a config object with another
-model (``AutoModel.from_config(config)`` beside a causal LM of the same config) is not a part.
+model to enable it on, and so is enabling on a module that wraps a part
+(``Wrapper(causal_lm.model)``, holding no config of its own: it served the part the same
+way). A module wrapping a whole model is served like the model; a model of its own that
+merely shares a config object with another model (``AutoModel.from_config(config)`` beside
+a causal LM of the same config) is not a part.
 
 A module keeps no link to the modules holding it, so the outer model is found through the
 garbage collector's referrer lists: modules outside the part that hold one of its config
-objects (or a config holding one, for a tower's sub-config) and contain the part. In the
-common case (nothing outside the part holds its configs) that is one scan of the objects
-the collector tracks, a small cost beside copying the experts.
+objects (or a config holding one, for a tower's sub-config) and contain the part (or the
+part a wrapper holds). In the common case (nothing outside the part holds its configs) that
+is one scan of the objects the collector tracks, a small cost beside copying the experts.
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ from transformers import PreTrainedConfig
 
 
 def enclosing_model(model: nn.Module) -> nn.Module | None:
-    """The outermost module that contains ``model`` and holds one of its config objects (or a
-    config holding one), or None when ``model`` is not such a part."""
+    """The outermost module outside ``model`` that holds one of its config objects (or a
+    config holding one) and contains a module of ``model`` holding a config: ``model``
+    itself (a part), or a part that ``model`` wraps (``Wrapper(causal_lm.model)``, which
+    holds no config of its own). None when ``model`` is no part and wraps none."""
     modules = list(model.modules())
     inside = {id(module) for module in modules} | {id(vars(module)) for module in modules}
-    configs = [config for module in modules if isinstance(config := getattr(module, "config", None), PreTrainedConfig)]
+    built_on = [module for module in modules if isinstance(getattr(module, "config", None), PreTrainedConfig)]
+    parts = {id(module) for module in built_on}
+    configs: list[PreTrainedConfig] = [getattr(module, "config") for module in built_on]  # noqa: B009 - nn.Module types it as a Tensor
     seen = {id(config) for config in configs}
     enclosing: list[nn.Module] = []
     while configs:
@@ -38,7 +45,9 @@ def enclosing_model(model: nn.Module) -> nn.Module | None:
         configs = [holder for holder in holders if isinstance(holder, PreTrainedConfig) and id(holder) not in seen]
         seen.update(id(config) for config in configs)
         enclosing.extend(
-            holder for holder in holders if isinstance(holder, nn.Module) and any(m is model for m in holder.modules())
+            holder
+            for holder in holders
+            if isinstance(holder, nn.Module) and any(id(module) in parts for module in holder.modules())
         )
     return max(enclosing, key=lambda holder: sum(1 for _ in holder.modules()), default=None)
 
