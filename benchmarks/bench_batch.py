@@ -111,6 +111,7 @@ import _common  # noqa: E402
 from _common import append_csv, cuda_time_ms, pinned_copy_gbps, print_table, traces_dir  # noqa: E402
 from bench_decode import QWEN3_TRACE, qwen3_routing  # noqa: E402
 from layer_streaming import StreamingLayers  # noqa: E402
+from profile_timeline import load_events, report  # noqa: E402
 
 from expertcache import CachedWeightProvider, CacheStats, FullGPUProvider, SlotPool, slot_pool  # noqa: E402
 from expertcache.decode_stack import DecodeStack, GraphedDecodeStep  # noqa: E402
@@ -641,10 +642,9 @@ def profile_prefill(bench: Bench, build: Callable[[], Variant], hidden, routing,
 
 def profile_decode(bench: Bench, variant: Variant, batch: int, args) -> None:
     """A few graph replays of one warm decode step under `torch.profiler`: per step, the time
-    the copy kernel runs alone, compute runs alone, both run, and the GPU sits idle (launch
-    gaps, waits), and the kernels by total time; the Chrome trace's path (one per variant)."""
-    import json
-
+    the copy kernel runs alone, compute runs alone, both run, and the GPU sits idle, the
+    kernels by total time, and the gaps between copies by what ran in them
+    (`profile_timeline.report`); the Chrome trace's path (one per variant)."""
     from torch.profiler import ProfilerActivity, profile
 
     if bench.device.type != "cuda":
@@ -672,34 +672,13 @@ def profile_decode(bench: Bench, variant: Variant, batch: int, args) -> None:
     name = f"trace_{variant.name}_{variant.cache}_B{batch}".replace(" ", "_").replace("/", "of").replace("%", "pct")
     path = folder / f"{name}.json"
     prof.export_chrome_trace(str(path))
-    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy")]
-    if not kernels:
-        print(f"profile {variant.name} {variant.cache} B={batch}: the profiler saw no kernels")
+    try:
+        events = load_events(path)
+    except ValueError as err:
+        print(f"profile {variant.name} {variant.cache} B={batch}: {err}")
         return
-    edges = sorted({t for e in kernels for t in (e["ts"], e["ts"] + e["dur"])})
-    spans = {"copy only": 0.0, "compute only": 0.0, "both": 0.0, "idle": 0.0}
-    without_copies: dict[str, float] = {}  # what runs while no copy kernel does, shared among the kernels
-    for left, right in zip(edges, edges[1:], strict=False):
-        running = [e for e in kernels if e["ts"] <= left and e["ts"] + e["dur"] >= right]
-        copying = any("copy" in e["name"] for e in running)
-        computing = any("copy" not in e["name"] for e in running)
-        spans["both" if copying and computing else "copy only" if copying else
-              "compute only" if computing else "idle"] += (right - left)  # fmt: skip
-        if not copying:
-            for name in [e["name"][:48] for e in running] or ["(nothing: launch gaps, waits)"]:
-                without_copies[name] = without_copies.get(name, 0.0) + (right - left) / max(1, len(running))
-    total = (edges[-1] - edges[0]) / replays
-    by_name: dict[str, float] = {}
-    for e in kernels:
-        by_name[e["name"][:48]] = by_name.get(e["name"][:48], 0.0) + e["dur"] / replays
-    print(f"\nprofile {variant.name} {variant.cache} B={batch}: {total / 1e3:.3f} ms a step (profiled); "
-          + ", ".join(f"{k} {v / replays / 1e3:.3f}" for k, v in spans.items()) + " ms")  # fmt: skip
-    print(f"  trace: {path}")
-    for name, us in sorted(by_name.items(), key=lambda item: -item[1])[:12]:
-        print(f"  {us:9.1f} us  {name}")
-    print(f"  while no copy runs ({sum(without_copies.values()) / replays / 1e3:.3f} ms a step):")
-    for name, us in sorted(without_copies.items(), key=lambda item: -item[1])[:10]:
-        print(f"  {us / replays:9.1f} us  {name}")
+    print(f"\nprofile {variant.name} {variant.cache} B={batch} (profiled): {report(events, replays)}")
+    print(f"  trace: {path} (python benchmarks/profile_timeline.py {path})")
     del step, stack
 
 
