@@ -208,22 +208,27 @@ def report(events: list[Event], replays: int) -> str:
     lines += [f"  {us:9.1f} us  {name}" for name, us in sorted(without_copies.items(), key=lambda item: -item[1])[:10]]
     if any(event.copies for event in events):
         gaps, _ = link_gaps(events)
-        inside = [g for g in gaps if not g.step_boundary]
+        ends = [g for g in gaps if g.step_boundary and g.routers <= 1]  # last layer's tail, next step's layer 0
+        inside = [g for g in gaps if g not in ends]
         chain = "to the next layer's copies (apply tail, dense, router, admission)"
         kinds = (
             ("inside a layer's copies", [g for g in inside if g.routers == 0]),
             (chain, [g for g in inside if g.routers == 1]),
             ("across layers with nothing to copy", [g for g in inside if g.routers > 1]),
-            ("across a step's end (the next replay's input copies, its first layers)",
-             [g for g in gaps if g.step_boundary]),
-        )  # fmt: skip
+            ("across a step's end (the last apply, the next replay's inputs, its first router)", ends),
+        )
         lines.append("  the link idles between copies (no copy kernel runs), a step:")
         for label, chosen in kinds:
             text = f"    {label}: {len(chosen) / replays:.1f} gaps, {sum(g.us for g in chosen) / replays / 1e3:.3f} ms"
             if chosen:
                 text += f" (median {sorted(g.us for g in chosen)[len(chosen) // 2]:.1f} us"
                 skipped = sum(g.routers - 1 for g in chosen)
-                text += f", {skipped / replays:.1f} layers)" if label.startswith("across layers") else ")"
+                crossing = sum(g.step_boundary for g in chosen)
+                text += (
+                    f", {skipped / replays:.1f} layers, {crossing} across a step's end)"
+                    if label.startswith("across layers")
+                    else ")"
+                )
             lines.append(text)
             if chosen and label == chain:
                 parts = {

@@ -82,8 +82,11 @@ def test_the_report_names_each_kind_of_gap_per_step():
     assert "inside a layer's copies: 0.5 gaps, 0.015 ms" in text
     assert "to the next layer's copies (apply tail, dense, router, admission): 0.5 gaps, 0.020 ms" in text
     assert "medians: apply tail 5.0 us, dense parts and router 30.0 us, admission 5.0 us" in text
-    assert "across layers with nothing to copy: 0.5 gaps, 0.065 ms (median 130.0 us, 1.0 layers)" in text
-    assert "across a step's end" in text and "0.5 gaps, 0.030 ms" in text
+    assert (
+        "across layers with nothing to copy: 0.5 gaps, 0.065 ms (median 130.0 us, 1.0 layers, 0 across a step's end)"
+        in text
+    )
+    assert "across a step's end (the last apply, the next replay's inputs, its first router): 0.5 gaps, 0.030" in text
 
 
 def test_a_profile_without_copies_reports_no_link_gaps():
@@ -122,7 +125,7 @@ def test_the_command_reads_a_saved_trace(tmp_path):
         text=True,
     )
     assert run.returncode == 0, run.stderr
-    assert "across layers with nothing to copy: 1.0 gaps, 0.130 ms (median 130.0 us, 2.0 layers)" in run.stdout
+    assert "across layers with nothing to copy: 1.0 gaps, 0.130 ms (median 130.0 us, 2.0 layers, 0 across" in run.stdout
     bad = subprocess.run(
         [sys.executable, str(BENCHMARKS / "profile_timeline.py"), str(path), "--replays", "0"],
         capture_output=True,
@@ -141,3 +144,21 @@ def test_a_gzipped_trace_reads_like_the_plain_one(tmp_path):
     packed.write_bytes(b"\x1f\x8b broken")
     with pytest.raises(ValueError, match="not a readable Chrome trace"):
         timeline.load_events(packed)
+
+
+def test_layers_with_nothing_to_copy_across_a_step_end_count_as_such():
+    router = "void (anonymous namespace)::softmax_warp_forward"
+    events = timeline.events_of(
+        [
+            kernel(COPY, 0, 100),
+            kernel(router, 110, 2),  # a layer with nothing to copy, the step's last
+            {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 150, "dur": 1},
+            kernel(router, 170, 2),  # the next step's layer 0
+            kernel(COPY, 180, 100),
+        ]
+    )
+    (gap,), _ = timeline.link_gaps(events)
+    assert (gap.us, gap.routers, gap.step_boundary) == (80, 2, True)
+    text = timeline.report(events, replays=1)
+    assert "across layers with nothing to copy: 1.0 gaps, 0.080 ms (median 80.0 us, 1.0 layers, 1 across" in text
+    assert "its first router): 0.0 gaps" in text
