@@ -11,13 +11,16 @@ An engine adopts the cache's flags in two lines::
 Errors are one line on stderr and exit status 2, never a traceback: a malformed flag is
 refused by the parser (`CommandLineParser`), and `main` turns what a command raises for
 bad input (ValueError, TypeError, OSError: a missing file, a malformed trace or manifest)
-into ``expertcache <command>: error: <message>``.
+into ``expertcache <command>: error: <message>``, and a missing optional package (the
+``transformers`` extra) into a line saying how to install it. A reader of the output that
+goes away (``expertcache plan ... | head``) ends the command quietly, as it ends any tool.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 import torch
@@ -39,6 +42,12 @@ COMMAND_MODULES = ("expertcache.commands.demo", "expertcache.commands.generate",
 
 #: What a command raises for bad input; anything else is a bug and keeps its traceback.
 EXPECTED_ERRORS = (ValueError, TypeError, OSError)
+
+#: Optional packages a command may import -> the extra that installs them.
+OPTIONAL_PACKAGES = {"transformers": "transformers"}
+
+#: The exit status of a tool whose output pipe closed (killed by SIGPIPE: 128 + 13).
+STATUS_PIPE_CLOSED = 141
 
 __all__ = [
     "CommandLineParser",
@@ -223,17 +232,46 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 done, 1 the command's check failed (tokens differ), 2 bad input
-        (one line on stderr), 130 interrupted.
+        or a missing optional package (one line on stderr), 130 interrupted, 141 the reader
+        of the output went away (nothing said).
     """
-    args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # checking a flag can take a moment (a --device asks CUDA)
+        print("expertcache: interrupted", file=sys.stderr)
+        return 130
+    try:
+        status = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:  # before OSError: not bad input, the reader (``| head``) is done
+        _silence_stdout()
+        return STATUS_PIPE_CLOSED
     except EXPECTED_ERRORS as error:
         print(f"expertcache {args.command}: error: {describe_error(error)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        extra = OPTIONAL_PACKAGES.get(error.name or "")  # the package itself, not a module it lacks
+        if extra is None:
+            raise
+        print(
+            f"expertcache {args.command}: error: needs the {extra!r} package, which is not installed: "
+            f"pip install 'expertcache[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"expertcache {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush of what is still
+    buffered fails no more (it would print a second error)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout without a descriptor (captured): nothing to flush
+        pass
 
 
 if __name__ == "__main__":

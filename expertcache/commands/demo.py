@@ -6,6 +6,7 @@ On a GPU it also decodes through CUDA graphs (`GraphedGenerator`); ``--no-graphs
 from __future__ import annotations
 
 import argparse
+import sys
 
 from expertcache.commands.arguments import check_sequence_length, device_name, output_file, positive_int
 
@@ -53,6 +54,12 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.demo import DEMO_SIZES, run_demo
     from expertcache.integrations.transformers.random_models import random_config
 
+    if args.graphs is False and not _on_cuda(args.device):
+        print(
+            "expertcache demo: warning: --no-graphs has no effect here: the demo runs on the CPU, "
+            "where it makes no graphed runs to skip",
+            file=sys.stderr,
+        )
     model_config = random_config(args.family, DEMO_SIZES)  # no weights: built in run_demo
     check_sequence_length(model_config, PROMPT_TOKENS, args.new_tokens, "--new-tokens")
     rows = run_demo(
@@ -64,3 +71,10 @@ def run(args: argparse.Namespace) -> int:
         graphs=args.graphs,  # None: on CUDA
     )
     return 0 if all(row.identical for row in rows) else 1
+
+
+def _on_cuda(device) -> bool:
+    """Whether the demo runs on a CUDA GPU: ``--device`` (a `torch.device`), else the GPU if any."""
+    import torch
+
+    return device.type == "cuda" if device is not None else torch.cuda.is_available()

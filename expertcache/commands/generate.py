@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from expertcache.cli import add_cache_arguments, cache_config_from_args
 from expertcache.commands.arguments import check_sequence_length, device_name, input_path, output_file, positive_int
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         device = resolve_device(args.device)
         check_mode_runs_here(config.mode, device)
-        model_config = AutoConfig.from_pretrained(args.model)
+        model_config = _model_config(AutoConfig, args.model)
         skeleton = _skeleton(model_config)
         blocks = check_cache_size(skeleton, config.cache_size)
     except (ValueError, OSError) as error:  # unknown model type, no MoE layers, size out of range
@@ -190,13 +191,36 @@ def _check_directory(path: Path, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--model {path}: no weights (*.safetensors or pytorch_model*.bin) beside config.json")
 
 
+def _model_config(auto_config, path: Path):
+    """The checkpoint's transformers config. A value transformers refuses (a field of the wrong
+    type, a dtype torch lacks) is bad input: transformers raises its own exception types."""
+    try:
+        return auto_config.from_pretrained(path)
+    except (ValueError, OSError):  # an unknown model type: transformers' message says it
+        raise
+    except Exception as error:
+        raise ValueError(f"config.json has a value transformers refuses ({type(error).__name__}: {error})") from None
+
+
 def _skeleton(model_config):
-    """The architecture on the meta device: module names and shapes, no memory, no weights."""
+    """The architecture on the meta device: module names and shapes, no memory, no weights.
+
+    Raises:
+        ValueError: config.json's sizes do not make a model (zero heads, a layer too large):
+            what transformers raises building it (ZeroDivisionError, RuntimeError, ...).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model_config)
+    except ValueError:
+        raise
+    except Exception as error:
+        raise ValueError(
+            f"config.json describes no model transformers can build ({type(error).__name__}: {error})"
+        ) from None
 
 
 def _tokenizer(path: Path):
@@ -240,9 +264,14 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     from expertcache.trace import RoutingRecorder
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
-    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as error:  # a corrupt checkpoint
+        # output_loading_info: (model, what was missing...), which transformers' overloads do not type
+        loaded: Any = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", output_loading_info=True)
+    # a corrupt checkpoint; ImportError: a quantization whose package is missing (mxfp4 needs accelerate)
+    except (OSError, ValueError, RuntimeError, KeyError, ImportError, SafetensorError) as error:
         raise ValueError(f"--model {args.model}: cannot load the weights ({type(error).__name__}: {error})") from None
+    model, loading = loaded
+    _check_nothing_missing(args.model, loading["missing_keys"])
+    model.eval()
     recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
     if args.experts_implementation is not None:
         model.set_experts_implementation(args.experts_implementation)  # accepted by the skeleton
@@ -292,6 +321,18 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
             "batched_mm or expertcache_quant is bit-identical)"
         )
     return 0 if same else 1
+
+
+def _check_nothing_missing(path: Path, missing) -> None:
+    """Refuse a checkpoint without weights for some of the model's parameters: transformers
+    starts those at random and generates from them (it only prints a report)."""
+    if missing:
+        names = sorted(missing)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ValueError(
+            f"--model {path}: the checkpoint has no weights for {len(names)} of the model's parameters "
+            f"({shown}); transformers would start them at random"
+        )
 
 
 def _cached_run(args, model, input_ids):

@@ -165,6 +165,12 @@ def run(args: argparse.Namespace) -> int:
         oversize="overlapped" if args.overlapped_passes else "passes",
         overlap_max_ids=OVERLAP_MAX_IDS if args.overlapped_passes else None,
     )
+    # rendered first, then written together: a plot or a write that fails leaves no CSV behind;
+    # written before anything is printed: a reader of the output that goes away (| head) stops
+    # the printing, not the files
+    columns = {"traced_layers": trace.num_layers, "model_layers": layers}
+    name = trace.model or args.trace.name
+    write_files({path: render(flag, result, name, columns) for flag, path in outputs.items()})
     print(describe(trace, expert_bytes, layers, args))
     if layers_note:
         print(layers_note)
@@ -172,10 +178,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"bytes per miss {copy_bytes:,} ({copy_bytes / expert_bytes:.3f} of the expert bytes, {copy_source})")
     print(format_table(result, policies))
     print(recommendation(result, trace.num_experts, layers))
-    # rendered first, then written together: a plot or a write that fails leaves no CSV behind
-    columns = {"traced_layers": trace.num_layers, "model_layers": layers}
-    name = trace.model or args.trace.name
-    write_files({path: render(flag, result, name, columns) for flag, path in outputs.items()})
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
