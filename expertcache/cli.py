@@ -11,7 +11,8 @@ An engine adopts the cache's flags in two lines::
 Errors are one line on stderr and exit status 2, never a traceback: a malformed flag is
 refused by the parser (`CommandLineParser`), and `main` turns what a command raises for
 bad input (ValueError, TypeError, OSError: a missing file, a malformed trace or manifest)
-into ``expertcache <command>: error: <message>``, and a missing optional package (the
+into ``expertcache <command>: error: <message>`` (a warning is one line too:
+``expertcache <command>: warning: <message>``), and a missing optional package (the
 ``transformers`` extra) into a line saying how to install it. A reader of the output that
 goes away (``expertcache plan ... | head``) ends the command quietly, as it ends any tool.
 """
@@ -22,6 +23,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 import torch
 
@@ -241,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         print("expertcache: interrupted", file=sys.stderr)
         return 130
     try:
-        status = int(args.func(args))
+        with warnings.catch_warnings():  # a warning is one line too, naming the command
+            warnings.showwarning = _one_line_warning(args.command)
+            status = int(args.func(args))
         sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
         return status
     except BrokenPipeError:  # before OSError: not bad input, the reader (``| head``) is done
@@ -263,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"expertcache {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line_warning(command: str):
+    """A `warnings.showwarning` that prints ``expertcache <command>: warning: <message>`` (not
+    Python's two lines of file, line number and source)."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"expertcache {command}: warning: {message}", file=sys.stderr if file is None else file)
+
+    return show
 
 
 def _silence_stdout() -> None:

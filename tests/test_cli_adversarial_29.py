@@ -23,6 +23,7 @@ from test_cli_errors import _check_one_line
 
 from expertcache.cli import STATUS_PIPE_CLOSED, main
 from expertcache.trace import RoutingTrace
+from expertcache.trace.format import UNALIGNED_LAYERS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,3 +151,25 @@ def test_a_checkpoint_whose_quantization_needs_a_missing_package_is_one_line(che
     captured = capsys.readouterr()
     assert status == 2 and captured.out == ""
     _check_one_line(captured.err, argv, "cannot load the weights \\(ImportError: Using mxfp4 requires Accelerate")
+
+
+def test_a_warning_a_command_raises_is_one_line_naming_the_command(tmp_path):
+    """The planner's global rows on a Mixtral decode file (rows not aligned across layers)
+    warn that they are approximate: on the command line that is one line, not Python's two."""
+    trace = tmp_path / "unaligned.npz"
+    RoutingTrace(
+        expert_ids=np.array([[[0, 1], [2, 3]], [[1, 2], [0, 3]]], dtype=np.int32),
+        forward_starts=np.array([0, 1]),
+        num_experts=4,
+        layers=(0, 1),
+        notes=UNALIGNED_LAYERS,
+    ).save(trace)
+    run = subprocess.run(
+        [sys.executable, "-m", "expertcache", "plan", "--trace", str(trace), "--gpu-budget", "1",
+         "--expert-bytes", "1000000", "--no-progress"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    warning_lines = [line for line in run.stderr.splitlines() if "warning" in line.lower()]
+    assert warning_lines and all(line.startswith("expertcache plan: warning: ") for line in warning_lines)
+    assert "not aligned across layers" in warning_lines[0] and "planner.py" not in run.stderr

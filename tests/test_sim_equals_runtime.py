@@ -111,6 +111,7 @@ def _configs():
 
 
 @pytest.mark.parametrize(("name", "batch"), list(_configs()))
+@pytest.mark.filterwarnings("ignore::expertcache.sim.ApproximateReplayWarning")  # the runtime sees the same rows
 def test_simulated_copies_equal_the_runtime_on_real_traces(name, batch):
     trace = _head(load_trace(TRACES / name), batch=batch)
     top_k = trace.expert_ids.shape[2]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from numbers import Integral
+from numbers import Integral, Number
 from typing import Literal
 
 import numpy as np
@@ -95,9 +95,11 @@ def replay(
     """Admit ``calls`` in order into a cache of ``capacity`` keys and count what happened.
 
     Args:
-        calls: one sequence of hashable keys per call (an expert id, or ``(layer,
-            expert)`` for a pool shared by layers); repeats inside a call are allowed. A 1-D
-            numpy array or tensor of integer ids counts them by value.
+        calls: one sequence of hashable keys per call (an integer expert id, or ``(layer,
+            expert)`` for a pool shared by layers; other hashables, such as str, are keys as
+            they are); repeats inside a call are allowed. A 1-D numpy array or tensor of
+            integer ids counts them by value. A float (NaN included), bool, complex or
+            tensor key, or one inside a tuple key, is refused.
         policy: a policy name (``"lru"``, ..., ``"belady"``) or a fresh `EvictionPolicy`.
         capacity: keys the cache holds (slots), at least 1.
         forward_starts: indices into ``calls`` where a forward pass starts (Least-Stale
@@ -127,7 +129,8 @@ def replay(
             int or given without ``oversize="overlapped"``, ``num_ids`` without it or not
             one count per call; TypeError: ``calls`` not iterable (a `RoutingTrace`, a
             `TraceCalls`), a call that is not a sequence of hashable keys (an
-            array or tensor: not 1-D, or of float or bool ids), or a ``capacity``,
+            array or tensor: not 1-D, or of float or bool ids; a list: a float, bool,
+            complex or tensor key), or a ``capacity``,
             ``num_layers`` or ``num_ids`` entry that is not an integer (a bool, a float).
         CacheCapacityError: an oversize call with ``oversize="raise"``.
     """
@@ -205,9 +208,30 @@ def _distinct_keys(call: object, index: int) -> tuple[tuple[Hashable, ...], int]
         raise TypeError(f"call {index} must be a sequence of keys, got {type(call).__name__}")
     keys = list(call)
     try:
-        return tuple(dict.fromkeys(keys)), len(keys)
+        unique = tuple(dict.fromkeys(keys))
     except TypeError:
         raise TypeError(f"call {index} holds a key that is not hashable") from None
+    if not all(type(key) is int for key in unique):  # the common case: one type test a key
+        for key in unique:
+            _check_key(key, index)
+    return unique, len(keys)
+
+
+def _check_key(key: object, index: int, *, within: object = None) -> None:
+    """Refuse a key that is a number but no integer, or a tensor, also inside a tuple key:
+    NaN is not equal to itself and a tensor hashes by identity (one id, several keys), a
+    float or bool is no expert id (a router's weights or a mask passed by mistake)."""
+    if isinstance(key, tuple):
+        for part in key:
+            _check_key(part, index, within=key if within is None else within)
+        return
+    number = isinstance(key, Number) and not isinstance(key, Integral)
+    if number or isinstance(key, (bool, np.bool_, torch.Tensor)):
+        where = "" if within is None else f" (in the key {within!r})"
+        raise TypeError(
+            f"call {index} holds a {type(key).__name__} key {key!r}{where}; expert ids are integers "
+            "(a router's topk_ids, as Python or numpy ints)"
+        )
 
 
 def _array_keys(call: np.ndarray | torch.Tensor, index: int) -> list:

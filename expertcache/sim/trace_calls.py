@@ -6,10 +6,16 @@ keys ``layer_column * num_experts + expert`` (ints, cheaper to hash than tuples)
 execution order: every layer of forward pass 0, then of pass 1, and so on. Token rows with
 no record (``-1``: dropped by the recorder) are skipped; a layer with no record in a pass
 makes no call.
+
+A global pool needs the rows of a forward pass to be the same tokens at every layer. A trace
+whose notes say they are not (`RoutingTrace.layers_aligned`: the Mixtral decode-only files,
+whose records were renumbered per layer after a lost one) gives only approximate global
+counts: ``trace_calls(scope="global")`` warns with `ApproximateReplayWarning`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -22,6 +28,10 @@ from expertcache.trace.format import RoutingTrace
 from expertcache.validation import check_int
 
 Scope = Literal["layer", "global"]
+
+
+class ApproximateReplayWarning(UserWarning):
+    """A replay whose counts are only approximate for the trace it was built from."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +102,16 @@ def trace_calls(trace: RoutingTrace, *, scope: Scope) -> list[TraceCalls]:
     Raises:
         TypeError: not a `RoutingTrace`. ValueError: an unknown scope, or a trace without
             a single record (nothing to replay).
+
+    Warns:
+        ApproximateReplayWarning: ``scope="global"`` on a trace of several layers whose rows
+            are not aligned across layers (``trace.layers_aligned`` False).
     """
+    return _calls_of(trace, scope, stacklevel=3)
+
+
+def _calls_of(trace: RoutingTrace, scope: Scope, *, stacklevel: int) -> list[TraceCalls]:
+    """`trace_calls`, its warning attributed ``stacklevel`` frames up (the user's call)."""
     if not isinstance(trace, RoutingTrace):
         raise TypeError(f"trace must be a RoutingTrace, got {type(trace).__name__}")
     if scope not in ("layer", "global"):
@@ -102,8 +121,18 @@ def trace_calls(trace: RoutingTrace, *, scope: Scope) -> list[TraceCalls]:
         raise ValueError(f"the trace{source} has no routing records ({trace.num_tokens} tokens): nothing to replay")
     if scope == "layer":
         return [_stream(trace, (column,)) for column in range(trace.num_layers)]
-    if scope == "global":
-        return [_stream(trace, tuple(range(trace.num_layers)))]
+    if not trace.layers_aligned and trace.num_layers > 1:  # one layer: its pool is the global one
+        warnings.warn(_unaligned_message(trace), ApproximateReplayWarning, stacklevel=stacklevel)
+    return [_stream(trace, tuple(range(trace.num_layers)))]
+
+
+def _unaligned_message(trace: RoutingTrace) -> str:
+    source = f" ({trace.source})" if trace.source else ""
+    return (
+        f"the trace{source} has rows that are not aligned across layers (its notes: records lost, "
+        "then renumbered per layer), so a global pool's calls mix tokens of different forward "
+        "passes: its counts are approximate; per-layer replay (scope='layer') is exact"
+    )
 
 
 def _stream(trace: RoutingTrace, columns: Sequence[int]) -> TraceCalls:
@@ -170,8 +199,11 @@ def replay_trace(trace: RoutingTrace, *, policy: str | EvictionPolicy, capacity:
 
     Returns:
         Counts summed over layers (per layer) or of the one pool (global).
+
+    Warns:
+        ApproximateReplayWarning: as `trace_calls`.
     """
-    return replay_streams(trace_calls(trace, scope=scope), policy=policy, capacity=capacity)
+    return replay_streams(_calls_of(trace, scope, stacklevel=3), policy=policy, capacity=capacity)
 
 
 def unbounded(streams: Sequence[TraceCalls]) -> ReplayResult:

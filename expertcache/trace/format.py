@@ -9,6 +9,8 @@ A trace is the router's choice for every token at every MoE layer::
     layers          [L]       int64   model layer index of each column
 
 plus metadata (model, num_experts, top_k, source, notes). Tokens are in execution order.
+A trace is a value: frozen after its constructor checked it, its arrays read-only (make a
+changed one with ``dataclasses.replace``, which checks again).
 Stored as ``.npz`` with no pickled objects: metadata goes in as a JSON string. ``save``
 writes exactly the path it is given (no ``.npz`` is appended) and returns it; ``load``
 reads any file ``save`` wrote, whatever its name, and checks everything it reads (see
@@ -43,8 +45,13 @@ FORMAT_VERSION = 1
 _MEMBERS = ("expert_ids", "forward_starts", "request_starts", "layers", "meta")
 _TEXT_FIELDS = ("model", "source", "notes")
 
+#: What a loader writes in ``notes`` when a trace's rows are exact per layer but not the same
+#: tokens across layers (records lost, then renumbered per layer): a pool shared by the
+#: layers then sees calls that mix tokens of different steps (see `RoutingTrace.layers_aligned`).
+UNALIGNED_LAYERS = "NOT aligned across layers"
 
-@dataclass
+
+@dataclass(frozen=True)
 class RoutingTrace:
     """Expert routing of ``N`` tokens through ``L`` MoE layers, top-``K``.
 
@@ -64,6 +71,8 @@ class RoutingTrace:
 
     Raises:
         TypeError / ValueError: on construction, for any field of the wrong type or value.
+        dataclasses.FrozenInstanceError: assigning or deleting a field after construction
+            (the checks above ran on the values given); ValueError: writing into an array.
     """
 
     expert_ids: np.ndarray
@@ -76,16 +85,23 @@ class RoutingTrace:
     notes: str = ""
 
     def __post_init__(self) -> None:
-        self.num_experts = whole_number("num_experts", self.num_experts, minimum=1, maximum=MAX_EXPERTS)
-        self.expert_ids = expert_id_array(self.expert_ids, self.num_experts)
-        self.forward_starts = index_array("forward_starts", self.forward_starts)
-        self.request_starts = index_array("request_starts", self.request_starts)
-        if self.layers is None:
-            self.layers = np.arange(self.num_layers, dtype=np.int64)
-        self.layers = index_array("layers", self.layers)
+        num_experts = whole_number("num_experts", self.num_experts, minimum=1, maximum=MAX_EXPERTS)
+        expert_ids = expert_id_array(self.expert_ids, num_experts)
+        layers = np.arange(expert_ids.shape[1], dtype=np.int64) if self.layers is None else self.layers
+        checked = {
+            "num_experts": num_experts,
+            "expert_ids": expert_ids,
+            "forward_starts": index_array("forward_starts", self.forward_starts),
+            "request_starts": index_array("request_starts", self.request_starts),
+            "layers": index_array("layers", layers),
+        }
         for name in _TEXT_FIELDS:
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a str, got {type(getattr(self, name)).__name__}")
+        for name, value in checked.items():
+            if isinstance(value, np.ndarray):  # each a copy of the caller's: nobody else can write it
+                value.flags.writeable = False
+            object.__setattr__(self, name, value)  # frozen: the constructor's one way in
         self._validate()
 
     def _validate(self) -> None:
@@ -129,6 +145,13 @@ class RoutingTrace:
     @property
     def num_forwards(self) -> int:
         return int(self.forward_starts.size)
+
+    @property
+    def layers_aligned(self) -> bool:
+        """False when ``notes`` say the rows are not the same tokens across layers
+        (`UNALIGNED_LAYERS`, as the Mixtral decode-only loader writes): replay per layer is
+        exact, a pool shared by the layers only approximate."""
+        return UNALIGNED_LAYERS not in self.notes
 
     @property
     def num_records(self) -> int:

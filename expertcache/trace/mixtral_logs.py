@@ -20,7 +20,8 @@ records are missing. In the raw log a missing record is a -1 row at its exact pl
 decode step that lost every record, as a step of a one-layer log does with its one, leaves
 no row). In the decode files the per-layer order is exact but the rows are *not aligned
 across layers* after a loss, so only per-layer replay is faithful; each layer's rows are
-laid down in order and padded with -1 at the end.
+laid down in order and padded with -1 at the end; the notes say so (`UNALIGNED_LAYERS`),
+and a global-pool replay of such a trace warns.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.trace.format import RoutingTrace
+from expertcache.trace.format import UNALIGNED_LAYERS, RoutingTrace
 from expertcache.trace.jsonl import (
     build_trace,
     columns_of,
@@ -169,7 +170,7 @@ def load_decode_routing(path: str | Path, *, num_experts: int | None = None, mod
         source=str(path),
         notes=(
             f"Decode only, one token per forward, {len(problems)} problems. {DROPPED_TIES} "
-            "Rows are exact per layer but NOT aligned across layers after a lost record "
+            f"Rows are exact per layer but {UNALIGNED_LAYERS} after a lost record "
             "(token_idx was renumbered per layer); per-layer replay is faithful, a global "
             f"pool is approximate. Shorter layers are padded with -1. {missing_note(ids)}"
         ),

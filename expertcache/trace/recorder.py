@@ -11,11 +11,16 @@ already recorded in it is seen again, so no framework hook is needed::
 everything so far as one `RoutingTrace` ([N, L, K] ids, int16 while they fit, -1 where a
 layer was not called), which ``RoutingTrace.save`` writes as ``.npz``. Ids are checked when
 they are recorded: integers in ``[-1, num_experts)`` (once the number of experts is known).
+
+Threads: forward passes and requests are each thread's own, so several threads may run
+forwards of a recorded model at once (see `RoutingRecorder`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,8 +31,22 @@ from expertcache.trace.format import RoutingTrace
 _LAYER_LIMIT = 2**63 - 1
 
 
+@dataclass
+class _Forward:
+    """One forward pass: each layer's ``[T, K]`` int32 ids, and whether it starts a request."""
+
+    ids: dict[int, np.ndarray] = field(default_factory=dict)
+    starts_request: bool = False
+
+
 class RoutingRecorder:
     """Collects ``topk_ids`` per layer and per forward pass.
+
+    Thread-safe: a lock guards the recorder, and each thread has its own forward pass in
+    progress, so two threads running forwards of the recorded model at once never mix their
+    records: each forward holds one thread's layers, and `begin_request` marks the calling
+    thread's next forward. The trace lists forwards in the order they started (their first
+    record). A forward a thread left open when it ended stays in the trace as it is.
 
     Args:
         layers: model layer index of each MoE layer, in column order (an integration that
@@ -51,9 +70,9 @@ class RoutingRecorder:
             raise TypeError("model and source must be str")
         self.model = model
         self.source = source
-        self._forwards: list[dict[int, np.ndarray]] = []
-        self._current: dict[int, np.ndarray] = {}
-        self._request_forwards: list[int] = []
+        self._forwards: list[_Forward] = []  # in the order they started, the open ones included
+        self._thread = threading.local()  # .forward: the thread's open one; .request: its next starts one
+        self._lock = threading.Lock()
         self._top_k: int | None = None
         self._largest_id = -1  # of every id recorded: `describe` must not give fewer experts
 
@@ -68,6 +87,10 @@ class RoutingRecorder:
         num_experts = _experts(num_experts)
         if not isinstance(model, str):
             raise TypeError(f"model must be a str, got {type(model).__name__}")
+        with self._lock:
+            self._describe(layers, num_experts, model)
+
+    def _describe(self, layers: tuple[int, ...], num_experts: int, model: str) -> None:
         if self._largest_id >= num_experts:
             raise ValueError(
                 f"the recorder already recorded expert id {self._largest_id}; the model has {num_experts} experts"
@@ -81,14 +104,15 @@ class RoutingRecorder:
 
     @property
     def num_forwards(self) -> int:
-        """Forward passes recorded so far (the one in progress included)."""
-        return len(self._forwards) + bool(self._current)
+        """Forward passes recorded so far (those in progress included)."""
+        with self._lock:
+            return len(self._forwards)
 
     def begin_request(self) -> None:
-        """The next forward pass starts a new request."""
-        self._close_forward()
-        if not self._request_forwards or self._request_forwards[-1] != len(self._forwards):
-            self._request_forwards.append(len(self._forwards))
+        """The calling thread's next forward pass starts a new request."""
+        with self._lock:
+            self._thread.forward = None
+            self._thread.request = True
 
     def record(self, layer: int, topk_ids: torch.Tensor | np.ndarray) -> None:
         """Record one MoE layer's router choice.
@@ -104,9 +128,13 @@ class RoutingRecorder:
                 top-k or token count that disagrees with the calls before; nothing is recorded.
         """
         layer = whole_number("layer", layer, minimum=0, maximum=_LAYER_LIMIT)
-        if self.layers is None or layer not in self.layers:
+        if self.layers is None or layer not in self.layers:  # set once, never changed (describe)
             raise ValueError(f"layer {layer} is not one of the recorder's layers {self.layers}")
-        ids = _host_ids(topk_ids)
+        ids = _host_ids(topk_ids)  # outside the lock: a copy from a GPU waits for it
+        with self._lock:
+            self._record(layer, ids)
+
+    def _record(self, layer: int, ids: np.ndarray) -> None:
         if ids.dtype.kind not in "iu":
             raise TypeError(f"topk_ids must hold integer expert ids, got dtype {ids.dtype}")
         if ids.ndim < 2:
@@ -124,27 +152,36 @@ class RoutingRecorder:
             raise ValueError(f"token {repeat[0]} of the call names expert {repeat[1]} twice (a top-k is distinct)")
         if self._top_k is not None and ids.shape[1] != self._top_k:
             raise ValueError(f"top-k changed from {self._top_k} to {ids.shape[1]} between calls")
-        if layer in self._current:
-            self._close_forward()
-        tokens = {other.shape[0] for other in self._current.values()}
+        forward: _Forward | None = getattr(self._thread, "forward", None)
+        if forward is not None and layer in forward.ids:  # the layer again: a new forward pass
+            forward = None
+        tokens = set() if forward is None else {other.shape[0] for other in forward.ids.values()}
         if tokens and tokens != {ids.shape[0]}:
             raise ValueError(
                 f"layer {layer} routed {ids.shape[0]} tokens, the other layers of this forward pass {tokens.pop()}"
             )
+        if forward is None:  # checks passed: only now does a new forward begin
+            forward = _Forward(starts_request=getattr(self._thread, "request", False))
+            self._forwards.append(forward)
+            self._thread.forward, self._thread.request = forward, False
         self._top_k = ids.shape[1]
         self._largest_id = max(self._largest_id, int(ids.max()) if ids.size else -1)
-        self._current[layer] = ids.astype(np.int32)
+        forward.ids[layer] = ids.astype(np.int32)
 
     def trace(self) -> RoutingTrace:
         """Everything recorded so far as a `RoutingTrace` (recording may continue after)."""
+        with self._lock:
+            return self._trace()
+
+    def _trace(self) -> RoutingTrace:
         if self.layers is None or self.num_experts is None:
             raise ValueError("the recorder does not know the model's layers yet (see describe)")
-        forwards = self._forwards + ([self._current] if self._current else [])
         blocks, starts, total = [], [], 0
-        forward_token = []
-        for forward in forwards:
-            block = self._forward_block(forward)
-            forward_token.append(total)
+        request_tokens = set()
+        for forward in self._forwards:
+            block = self._forward_block(forward.ids)
+            if forward.starts_request:
+                request_tokens.add(total)
             if block.shape[0]:
                 starts.append(total)
             blocks.append(block)
@@ -152,7 +189,7 @@ class RoutingRecorder:
         top_k = blocks[0].shape[2] if blocks else 0
         expert_ids = np.concatenate(blocks) if blocks else np.zeros((0, len(self.layers), top_k), np.int32)
         # a request whose forward passes have routed no token yet starts no token
-        requests = sorted({forward_token[f] for f in self._request_forwards if f < len(forwards)} - {total})
+        requests = sorted(request_tokens - {total})
         return RoutingTrace(
             expert_ids=expert_ids,
             forward_starts=np.array(starts, dtype=np.int64),
@@ -162,11 +199,6 @@ class RoutingRecorder:
             model=self.model,
             source=self.source,
         )
-
-    def _close_forward(self) -> None:
-        if self._current:
-            self._forwards.append(self._current)
-            self._current = {}
 
     def _forward_block(self, forward: dict[int, np.ndarray]) -> np.ndarray:
         tokens, top_k = next(iter(forward.values())).shape
