@@ -139,3 +139,22 @@ def test_unknown_file_is_refused(tmp_path):
     path.write_text('{"hello": 1}\n')
     with pytest.raises(ValueError, match="not a routing trace"):
         load_trace(path)
+
+
+@needs_traces
+@pytest.mark.parametrize(
+    "source",
+    [QWEN15, OLMOE, MIXTRAL / "routing_raw.jsonl", MIXTRAL / "gsm8k_2_routing.jsonl"],
+    ids=["route_log", "layer_records", "raw_routing_log", "decode_routing"],
+)
+def test_a_byte_order_mark_opening_a_jsonl_file_is_read_past(tmp_path, source):
+    """Some editors save UTF-8 with a BOM; it opened the first line, so the file was refused
+    as "not a routing trace" while listing exactly the fields that were expected."""
+    head = source.read_bytes()  # whole files (1-4 MB): the first thousands of rows can be dummies
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    plain.write_bytes(head)
+    marked.write_bytes(b"\xef\xbb\xbf" + head)
+    expected, got = load_trace(plain), load_trace(marked)
+    assert detect_format(marked) == detect_format(plain)
+    assert got.expert_ids.tolist() == expected.expert_ids.tolist()
+    assert got.forward_starts.tolist() == expected.forward_starts.tolist()

@@ -35,14 +35,14 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
 
     Raises:
         TraceFileError: missing, a directory, empty, a line that is not UTF-8, not JSON, or
-            not an object.
+            not an object. A UTF-8 byte-order mark opening the file is read past.
     """
     path = Path(path)
     check_readable_file(path)
     with open(path, "rb") as lines:
         for number, raw in enumerate(lines, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # an editor's BOM opens line 1
             except UnicodeDecodeError as error:
                 raise TraceFileError(path, f"not UTF-8 text (byte {error.start} of the line)", line=number) from None
             if not line.strip():

@@ -68,7 +68,7 @@ def _first_record(path: Path) -> dict | None:
     with open(path, "rb") as lines:
         line = next((raw for raw in lines if raw.strip()), b"")
     try:
-        text = line.decode("utf-8")
+        text = line.decode("utf-8-sig")  # a byte-order mark (some editors write one) is no record
     except UnicodeDecodeError as error:
         raise TraceFileError(path, f"not UTF-8 text (byte {error.start} of the first line)") from None
     try:
