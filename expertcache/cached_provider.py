@@ -199,6 +199,15 @@ class CachedWeightProvider(ExpertWeightProvider):
         """
         self.pool.prefetch(self.layer, expert_ids)
 
+    def finish_prefetch(self) -> None:
+        """Make the current stream wait for this layer's prefetch copies still running.
+
+        ``prepare`` and ``passes`` do it by themselves; call it only before a CUDA graph's
+        capture ends when the layer's next call is outside that graph (a prefetch for the
+        next step: `DecodeStack`'s ``across_steps``). See `SlotPool.finish_prefetch`.
+        """
+        self.pool.finish_prefetch(self.layer)
+
     def check_prefetch(self, expert_ids: torch.Tensor) -> None:
         """Raise as `prefetch` would for ``expert_ids``, changing nothing (`SlotPool.check_prefetch`)."""
         self.pool.check_prefetch(self.layer, expert_ids)

@@ -17,8 +17,10 @@ output is the same bits.
 ``step(h, routing, prefetch)`` also hands each layer's predicted experts to the cache
 ``lookahead`` layers on as soon as this layer's router has run (``providers[l + d].prefetch``,
 device mode; the first router also hands layers 1 .. d their rows): their copies overlap the
-work of the layers between. Any predictor fits; the benchmarks use the trace itself (an
-oracle) to measure what a good one could win.
+work of the layers between. With ``across_steps`` the hand-offs wrap: the last ``d`` routers
+hand the next step's first ``d`` layers their rows, so copies for the next token start
+before this one ends. Any predictor fits; the benchmarks use the trace itself (an oracle)
+to measure what a good one could win.
 
 Routing ids are an input (replayed from a trace, or any router's top-k), so a captured
 graph replays with fresh routing every step. With device-mode providers the captured step
@@ -77,6 +79,12 @@ class DecodeStack:
             2: on the H200, with oracle guesses all right 1.0-2.9% faster than 1 at batches
             1-8 (0.1-1.7% with 6 of 8 right), and 3 no faster than 2 (`benchmarks/README.md`,
             run 105).
+        across_steps: let the hand-offs wrap into the next step: layer ``l``'s router starts
+            layer ``(l + d) mod L``'s prefetch, which for ``l + d >= L`` is that layer's call
+            in the next step (``step``'s ``prefetch`` rows ``0 .. d-1`` then hold the next
+            step's predictions). Needs ``d < L``. A captured step joins those copies before
+            it ends (`CachedWeightProvider.finish_prefetch`: a graph must join its side
+            streams); an eager step leaves them running into the next. Default False.
     """
 
     def __init__(
@@ -92,12 +100,19 @@ class DecodeStack:
         overlap: bool | None = None,
         landing: bool | None = None,
         lookahead: int = 2,
+        across_steps: bool = False,
     ) -> None:
         providers = list(providers)
         hidden_size = check_int("hidden_size", hidden_size, minimum=1)
         num_experts = check_int("num_experts", num_experts, minimum=1)
         seed = check_int("seed", seed)
         self.lookahead = check_int("lookahead", lookahead, minimum=1)
+        self.across_steps = check_flag("across_steps", across_steps)
+        if self.across_steps and self.lookahead >= len(providers):
+            raise ValueError(
+                f"across_steps needs lookahead < the number of layers ({len(providers)}), got {self.lookahead}: "
+                "a router would hand its own layer the next step's experts before this step's call"
+            )
         if not callable(apply):
             raise TypeError(f"apply must be an expert apply over passes (e.g. moe_apply_passes), got {apply!r:.40}")
         _check_router_width(providers, num_experts)
@@ -145,7 +160,10 @@ class DecodeStack:
                 ``providers[l + d].prefetch`` once layer ``l``'s router has run, rows 1 .. d
                 once layer 0's has (``d`` the stack's ``lookahead``; row 0 is unused: nothing
                 runs before the first layer); ``T * P`` at most each cache's slots, and layers
-                1 .. L-1 device-mode caches (checked before any layer runs).
+                1 .. L-1 device-mode caches (checked before any layer runs). With
+                ``across_steps``: row ``(l + d) mod L`` goes at layer ``l``'s router, rows
+                ``0 .. d-1`` are the next step's predictions, and every layer's cache must
+                be in device mode.
 
         Returns:
             ``[T, H]`` activations after the last layer.
@@ -159,6 +177,7 @@ class DecodeStack:
         if prefetch is not None:
             self._check_prefetch(prefetch, routing)
         h = hidden
+        wrapped: list[int] = []  # layers whose prefetch is for the next step's call
         for layer, provider in enumerate(self.providers):
             h = F.rms_norm(h + h @ self.attention[layer], (h.shape[-1],))
             ids = routing[layer]
@@ -167,6 +186,8 @@ class DecodeStack:
             if prefetch is not None:  # device-mode caches (checked above)
                 for ahead in self._prefetched_at(layer):
                     cast("CachedWeightProvider", self.providers[ahead]).prefetch(prefetch[ahead])
+                    if ahead <= layer:
+                        wrapped.append(ahead)
             overlap = self.overlap and ids.numel() <= OVERLAP_MAX_IDS
             if not overlap:
                 results = provider.passes(ids)
@@ -175,12 +196,18 @@ class DecodeStack:
             else:
                 results = provider.passes(ids, overlap=True)
             h = h + self.apply(h, results, weights)
+        if wrapped and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            for index in wrapped:  # the graph must join them; the next step's calls are outside it
+                cast("CachedWeightProvider", self.providers[index]).finish_prefetch()
         return h
 
     def _prefetched_at(self, layer: int) -> range:
         """The layers whose predictions layer ``layer``'s router hands on: ``layer + d``, and
-        at the first router every layer up to ``d`` (``d`` the ``lookahead``)."""
+        at the first router every layer up to ``d`` (``d`` the ``lookahead``); across steps,
+        ``(layer + d) mod L`` alone."""
         ahead = layer + self.lookahead
+        if self.across_steps:
+            return range(ahead % self.num_layers, ahead % self.num_layers + 1)
         return range(1 if layer == 0 else ahead, min(ahead, self.num_layers - 1) + 1)
 
     def _check_step(self, hidden: torch.Tensor, routing: torch.Tensor) -> None:
@@ -217,10 +244,11 @@ class DecodeStack:
         if not isinstance(prefetch, torch.Tensor) or prefetch.dim() != 3 or prefetch.shape[:2] != routing.shape[:2]:
             shape = tuple(prefetch.shape) if isinstance(prefetch, torch.Tensor) else type(prefetch).__name__
             raise ValueError(f"prefetch must be [L, T, P] like routing's [L, T, K] {tuple(routing.shape)}, got {shape}")
-        for index, provider in enumerate(self.providers[1:], start=1):
+        first = 0 if self.across_steps else 1  # layer 0 gets rows only when hand-offs wrap
+        for index, provider in enumerate(self.providers[first:], start=first):
             if getattr(provider, "mode", None) != "device" or not hasattr(provider, "prefetch"):
                 raise ValueError(
-                    f"prefetch needs device-mode caches for layers 1..{self.num_layers - 1}; layer {index} is "
+                    f"prefetch needs device-mode caches for layers {first}..{self.num_layers - 1}; layer {index} is "
                     f"{type(provider).__name__}{' in host mode' if getattr(provider, 'mode', None) == 'host' else ''}"
                 )
             check = getattr(provider, "check_prefetch", None)

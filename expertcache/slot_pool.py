@@ -381,6 +381,18 @@ class SlotPool:
         device_prepare.prefetch(self, layer, expert_ids)
         self._started = True
 
+    def finish_prefetch(self, layer: PoolLayer) -> None:
+        """Make the current stream wait for the copies ``layer``'s prefetches still run on the
+        pool's copy stream (a no-op when none does, and in host mode).
+
+        The layer's next call joins them by itself; call this when that call lies outside
+        the CUDA graph being captured (a prefetch for the next step's graph), which must
+        join its side streams before the capture ends. Capturable; syncs nothing.
+        """
+        self._check_attached(layer)
+        with self.guard:
+            device_prepare.join_copies(self)
+
     def check_prefetch(self, layer: PoolLayer, expert_ids: torch.Tensor) -> torch.Tensor:
         """Raise as `prefetch` would for ``expert_ids``, changing nothing; return them as ``[1, N]``.
 

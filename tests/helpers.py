@@ -60,11 +60,18 @@ def random_topk(tokens: int, top_k: int, num_experts: int, *, generator: torch.G
 
 
 def cached_and_full_stacks(
-    gen: torch.Generator, *, tokens: int, cache_size: int, device: str = "cuda", layers: int = 3, lookahead: int = 1
+    gen: torch.Generator,
+    *,
+    tokens: int,
+    cache_size: int,
+    device: str = "cuda",
+    layers: int = 3,
+    lookahead: int = 1,
+    across_steps: bool = False,
 ):
     """Two `DecodeStack` s of one function (``layers`` layers of 16 experts, H=64, top-4,
     bf16): over device-mode caches of ``cache_size`` slots (prefetching ``lookahead`` layers
-    ahead) and over resident weights.
+    ahead, into the next step with ``across_steps``) and over resident weights.
 
     Returns ``(cached providers, (cached stack, full stack), routing)``, where ``routing()``
     draws a fresh ``[layers, tokens, 4]`` step of ids on ``device``.
@@ -77,7 +84,10 @@ def cached_and_full_stacks(
     cached = [CachedWeightProvider(w, cache_size=cache_size, mode="device", device=device) for w in weights]
     full = [FullGPUProvider({n: t.to(device) for n, t in w.items()}) for w in weights]
     stacks = (
-        DecodeStack(cached, hidden_size, num_experts, dtype=torch.bfloat16, device=device, lookahead=lookahead),
+        DecodeStack(
+            cached, hidden_size, num_experts, dtype=torch.bfloat16, device=device, lookahead=lookahead,
+            across_steps=across_steps,
+        ),  # fmt: skip
         DecodeStack(full, hidden_size, num_experts, dtype=torch.bfloat16, device=device),
     )
 

@@ -9,6 +9,10 @@
   nothing; a prefetch whose copy fails leaves the pool as before;
 * a stack hands each router's predictions ``lookahead`` layers on, each layer's before that
   layer's call, and its output does not depend on them;
+* across steps, layer ``l``'s router hands layer ``(l + d) mod L`` its row, the last routers
+  the next step's first layers, so a step after an oracle's finds every expert resident;
+  a captured step joins those copies before it ends (``finish_prefetch``) and replays equal
+  to the eager step without prefetches (GPU);
 * a CUDA graph of a decode step that prefetches (one and two layers ahead) replays equal to
   the eager step without prefetches (GPU).
 """
@@ -229,3 +233,83 @@ def test_graphed_step_with_prefetch_replays_equal_to_eager_without(lookahead):
         assert torch.equal(replayed, stacks[1].step(hidden, step_routing))
     assert all(p.prefetch_stats.calls == 5 for p in cached[1:])  # the warm-up step and 4 replays
     assert cached[0].prefetch_stats.calls == 0  # nothing runs before the first layer
+
+
+def across_oracle(now: torch.Tensor, after: torch.Tensor, lookahead: int) -> torch.Tensor:
+    """Predictions for a step across steps: rows ``0 .. d-1`` the next step's ids, the rest this one's."""
+    return torch.cat([after[:lookahead], now[lookahead:]])
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 3])
+@pytest.mark.parametrize("device", devices())
+def test_across_steps_the_last_routers_prefetch_the_next_steps_first_layers(monkeypatch, device, lookahead):
+    gen = torch.Generator().manual_seed(8)
+    cached, stacks, routing = cached_and_full_stacks(
+        gen, tokens=1, cache_size=8, device=device, layers=4, lookahead=lookahead, across_steps=True
+    )
+    events: list[tuple[str, int]] = []
+    for index, provider in enumerate(cached):
+        for method in ("prefetch", "passes"):
+            real = getattr(provider, method)
+            recorder = lambda *a, real=real, name=(method, index), **k: (events.append(name), real(*a, **k))[1]  # noqa: E731
+            monkeypatch.setattr(provider, method, recorder)
+    steps = [routing() for _ in range(3)]
+    hidden = torch.randn(1, 64, generator=gen).to(device, torch.bfloat16)
+    for index in range(2):
+        hits_before = [p.stats.hits for p in cached]
+        served = stacks[0].step(hidden, steps[index], across_oracle(steps[index], steps[index + 1], lookahead))
+        assert torch.equal(served, stacks[1].step(hidden, steps[index]))
+    expected = []
+    for layer in range(4):  # one hand-off a router, wrapping: no first-router burst
+        expected += [("prefetch", (layer + lookahead) % 4), ("passes", layer)]
+    assert events == expected * 2
+    assert [p.prefetch_stats.calls for p in cached] == [2, 2, 2, 2]
+    hits = [p.stats.hits - before for p, before in zip(cached, hits_before, strict=True)]
+    assert hits == [4, 4, 4, 4]  # the second step: every layer's experts came ahead, its first ones last step
+
+
+def test_across_steps_refusals_run_nothing():
+    from expertcache.decode_stack import DecodeStack
+
+    gen = torch.Generator().manual_seed(9)
+    weights = [random_weights(E, HIDDEN, INTER, generator=gen) for _ in range(3)]
+    device_mode = [provider_on("cpu", w) for w in weights]
+    for lookahead in (3, 4):
+        with pytest.raises(ValueError, match="across_steps needs lookahead < the number of layers"):
+            DecodeStack(device_mode, HIDDEN, E, dtype=torch.float32, device="cpu", lookahead=lookahead, across_steps=True)
+    with pytest.raises(TypeError, match="across_steps"):
+        DecodeStack(device_mode, HIDDEN, E, dtype=torch.float32, device="cpu", across_steps="yes")
+    first_host = [CachedWeightProvider(weights[0], cache_size=4, mode="host", device="cpu"), *device_mode[1:]]
+    stack = DecodeStack(first_host, HIDDEN, E, dtype=torch.float32, device="cpu", across_steps=True)
+    routing = torch.stack([random_topk(1, 2, E, generator=gen) for _ in range(3)])
+    with pytest.raises(ValueError, match=r"layers 0\.\.2; layer 0 is CachedWeightProvider in host mode"):
+        stack.step(torch.randn(1, HIDDEN), routing, routing)
+    assert all(p.stats.calls == 0 and p.prefetch_stats.calls == 0 for p in device_mode)  # nothing ran
+    without = DecodeStack(first_host, HIDDEN, E, dtype=torch.float32, device="cpu", lookahead=2)
+    without.step(torch.randn(1, HIDDEN), routing, routing)  # not across steps: layer 0 gets no row
+    first_host[0].finish_prefetch()  # host mode: nothing to join
+    with pytest.raises(ValueError, match="not attached|attached"):
+        device_mode[1].pool.finish_prefetch(device_mode[2].layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_graphed_step_across_steps_joins_its_prefetches_and_replays_equal_to_eager(lookahead):
+    from expertcache.decode_stack import GraphedDecodeStep
+
+    gen = torch.Generator().manual_seed(5)
+    cached, stacks, routing = cached_and_full_stacks(
+        gen, tokens=2, cache_size=8, layers=4, lookahead=lookahead, across_steps=True
+    )
+    steps = [routing() for _ in range(7)]
+    hidden = torch.randn(2, 64, generator=gen).to("cuda", torch.bfloat16)
+    warm = steps[0].unsqueeze(0)
+    graph = GraphedDecodeStep(stacks[0], hidden, warm, across_oracle(steps[0], steps[1], lookahead).unsqueeze(0))
+    before = [p.stats for p in cached]
+    for index in range(1, 6):  # capture ran one step (it prefetched step 1's first layers)
+        replayed = graph(hidden, steps[index], across_oracle(steps[index], steps[index + 1], lookahead)).clone()
+        assert torch.equal(replayed, stacks[1].step(hidden, steps[index]))
+    after = [p.stats for p in cached]
+    distinct = [sum(len(set(steps[i][layer].flatten().tolist())) for i in range(1, 6)) for layer in range(4)]
+    assert [a.hits - b.hits for a, b in zip(after, before, strict=True)] == distinct  # every expert came ahead
+    assert [a.misses - b.misses for a, b in zip(after, before, strict=True)] == [0] * 4
