@@ -85,7 +85,12 @@ def cached_and_full_stacks(
     full = [FullGPUProvider({n: t.to(device) for n, t in w.items()}) for w in weights]
     stacks = (
         DecodeStack(
-            cached, hidden_size, num_experts, dtype=torch.bfloat16, device=device, lookahead=lookahead,
+            cached,
+            hidden_size,
+            num_experts,
+            dtype=torch.bfloat16,
+            device=device,
+            lookahead=lookahead,
             across_steps=across_steps,
         ),  # fmt: skip
         DecodeStack(full, hidden_size, num_experts, dtype=torch.bfloat16, device=device),

@@ -276,7 +276,9 @@ def test_across_steps_refusals_run_nothing():
     device_mode = [provider_on("cpu", w) for w in weights]
     for lookahead in (3, 4):
         with pytest.raises(ValueError, match="across_steps needs lookahead < the number of layers"):
-            DecodeStack(device_mode, HIDDEN, E, dtype=torch.float32, device="cpu", lookahead=lookahead, across_steps=True)
+            DecodeStack(
+                device_mode, HIDDEN, E, dtype=torch.float32, device="cpu", lookahead=lookahead, across_steps=True
+            )
     with pytest.raises(TypeError, match="across_steps"):
         DecodeStack(device_mode, HIDDEN, E, dtype=torch.float32, device="cpu", across_steps="yes")
     first_host = [CachedWeightProvider(weights[0], cache_size=4, mode="host", device="cpu"), *device_mode[1:]]
