@@ -18,6 +18,11 @@ process, one set of pinned stores shared by every variant, one apply kernel
       R/K            l's router ran (``DecodeStack.step(..., prefetch)``), guessed by an oracle
                      that knows R of the K true ids (the other K - R guesses are wrong ones):
                      what a predictor of that quality could win; small batches (B * K <= slots)
+      R/K ahead D    the same, routers handing layer l + D's guesses (``--lookahead``)
+      R/K ahead D    ``--across D``: the hand-offs wrap into the next step (``DecodeStack``'s
+        across       ``across_steps``), the last D routers starting the next token's first D
+                     layers; the oracle knows the next token's routing too (R = K only): how
+                     close to the bound a cache gets that never waits for a router
     device copies    device mode, per-layer pools, the step without its expert compute (dense
       only           parts, routers, admissions and copies run; ``--floor``): what no apply,
                      overlap or kernel change can go under, since a layer's copies wait for
@@ -214,6 +219,7 @@ class Variant:
     num_slots: int | None = None  # slots one layer's call may use (caches: the pool's share)
     right: int | None = None  # prefetch: true ids among the K guesses an oracle makes per token
     lookahead: int = 2  # prefetch: how many layers on each router's guesses go (``DecodeStack``'s)
+    across: bool = False  # prefetch: the hand-offs wrap into the next step (``DecodeStack``'s ``across_steps``)
     copies_only: bool = False  # the floor: the step without its expert compute (admissions and copies kept)
     overlap: bool = True  # False: the stack asks for passes one after the other (``--serial``)
     landing: bool = True  # False: the apply waits for a pass's whole copy, not each expert (``--unlanded``)
@@ -277,21 +283,36 @@ def drain_passes(hidden: torch.Tensor, results, topk_weights: torch.Tensor) -> t
     return torch.zeros_like(hidden)
 
 
-def prefetch_name(top_k: int, right: int, lookahead: int) -> str:
-    """``device prefetch R/K``, then ``ahead D`` past one layer (the rows before run 105 went one ahead)."""
-    return f"device prefetch {right}/{top_k}{f' ahead {lookahead}' if lookahead > 1 else ''}"
+def prefetch_name(top_k: int, right: int, lookahead: int, across: bool = False) -> str:
+    """``device prefetch R/K``, then ``ahead D`` past one layer (the rows before run 105 went
+    one ahead), then ``across`` when the hand-offs wrap into the next step."""
+    ahead = f" ahead {lookahead}" if lookahead > 1 or across else ""
+    return f"device prefetch {right}/{top_k}{ahead}{' across' if across else ''}"
 
 
-def prefetching(bench: Bench, fraction: float, right: int, lookahead: int) -> Variant:
+def prefetching(bench: Bench, fraction: float, right: int, lookahead: int, across: bool = False) -> Variant:
     variant = cached(bench, fraction, "device", False)
-    name = prefetch_name(bench.shape["top_k"], right, lookahead)
-    return dataclasses.replace(variant, name=name, right=right, lookahead=lookahead)
+    name = prefetch_name(bench.shape["top_k"], right, lookahead, across)
+    return dataclasses.replace(variant, name=name, right=right, lookahead=lookahead, across=across)
 
 
 def oracle_guesses(routing: torch.Tensor, right: int, num_experts: int) -> torch.Tensor:
     """``[..., L, B, K]`` guesses: the first ``right`` true ids of each token, then wrong
     ones (true id + 37 mod E, which may by chance be right)."""
     return torch.cat([routing[..., :right], (routing[..., right:] + 37) % num_experts], dim=-1)
+
+
+def step_guesses(variant: Variant, routing: torch.Tensor, num_experts: int) -> torch.Tensor | None:
+    """The oracle's ``[N - 1, L, B, K]`` predictions for the first ``N - 1`` of ``routing``'s
+    ``[N, L, B, K]`` steps (None without prefetches); across steps, rows ``0 .. D-1`` of step
+    ``s`` are step ``s + 1``'s (``DecodeStack``'s ``across_steps``)."""
+    if variant.right is None:
+        return None
+    guesses = oracle_guesses(routing, variant.right, num_experts)
+    if not variant.across:
+        return guesses[:-1]
+    ahead = variant.lookahead
+    return torch.cat([guesses[1:, :ahead], guesses[:-1, ahead:]], dim=1)
 
 
 def streaming(bench: Bench, depth: int) -> Variant:
@@ -309,6 +330,7 @@ def variant_builders(
     unlanded_at: list[float] = (),  # type: ignore[assignment]
     landed_whole_at: list[float] = (),  # type: ignore[assignment]
     lookaheads: list[int] = (2,),  # type: ignore[assignment]
+    across: list[int] = (),  # type: ignore[assignment]
 ) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
@@ -334,6 +356,10 @@ def variant_builders(
                 for ahead in lookaheads:
                     label = f"{prefetch_name(bench.shape['top_k'], right, ahead)} {fraction:.0%}"
                     builders.append((label, functools.partial(prefetching, bench, fraction, right, ahead)))
+            for ahead in across:  # the ceiling of any predictor: every guess right
+                top_k = bench.shape["top_k"]
+                label = f"{prefetch_name(top_k, top_k, ahead, True)} {fraction:.0%}"
+                builders.append((label, functools.partial(prefetching, bench, fraction, top_k, ahead, True)))
     return builders
 
 
@@ -351,6 +377,7 @@ def make_stack(bench: Bench, variant: Variant) -> DecodeStack:
     if not variant.landing and not variant.copies_only:
         options["landing"] = False
     options["lookahead"] = variant.lookahead
+    options["across_steps"] = variant.across
     shape = bench.shape
     return DecodeStack(variant.providers, shape["hidden"], shape["experts"], dtype=shape["dtype"], device=bench.device,
                        **options)  # fmt: skip
@@ -398,11 +425,12 @@ def measure_batch(bench: Bench, variant: Variant, batch: int, *, warmup: int, st
     shape, device = bench.shape, bench.device
     if bench.fill and holds_every_expert(variant):
         warmup += -(-bench.trace.shape[0] // batch)
-    routing = torch.from_numpy(batch_routing(bench.trace, batch, warmup + steps)).to(device)
+    routing = torch.from_numpy(batch_routing(bench.trace, batch, warmup + steps + 1)).to(device)
+    guesses = step_guesses(variant, routing, shape["experts"])  # the last step only feeds the guesses
+    routing = routing[:-1]
     gen = torch.Generator(device=device).manual_seed(batch)
     hidden = torch.randn(warmup + steps, batch, shape["hidden"], device=device, generator=gen, dtype=shape["dtype"])
     stack = make_stack(bench, variant)
-    guesses = None if variant.right is None else oracle_guesses(routing, variant.right, shape["experts"])
     extra = (lambda index: ()) if guesses is None else (lambda index: (guesses[index],))
     if variant.graph:
         step = GraphedDecodeStep(stack, hidden[0], routing[:1], None if guesses is None else guesses[:1])
@@ -565,7 +593,7 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
     save(new)
     providers.clear()
     builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor, args.serial,
-                                args.unlanded, args.landed_whole, args.lookahead)  # fmt: skip
+                                args.unlanded, args.landed_whole, args.lookahead, args.across)  # fmt: skip
     if args.only:
         builders = [(label, build) for label, build in builders if any(part in label for part in args.only)]
         if not builders:
@@ -651,10 +679,11 @@ def profile_decode(bench: Bench, variant: Variant, batch: int, args) -> None:
         print("profile: decode profiles need a GPU (the profiler sees CUDA kernels)")
         return
     replays = 4
-    routing = torch.from_numpy(batch_routing(bench.trace, batch, args.warmup + replays)).to(bench.device)
+    routing = torch.from_numpy(batch_routing(bench.trace, batch, args.warmup + replays + 1)).to(bench.device)
+    guesses = step_guesses(variant, routing, bench.shape["experts"])
+    routing = routing[:-1]
     hidden = torch.randn(batch, bench.shape["hidden"], device=bench.device, dtype=bench.shape["dtype"])
     stack = make_stack(bench, variant)
-    guesses = None if variant.right is None else oracle_guesses(routing, variant.right, bench.shape["experts"])
     extra = (lambda index: ()) if guesses is None else (lambda index: (guesses[index],))
     if variant.graph:
         step = GraphedDecodeStep(stack, hidden, routing[:1], None if guesses is None else guesses[:1])
@@ -769,6 +798,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lookahead", type=int, nargs="+", default=[2], metavar="D",
                         help="the oracle prefetches go this many layers ahead: each router starts layer l + D's "
                              "(one row per D; default 2, DecodeStack's)")  # fmt: skip
+    parser.add_argument("--across", type=int, nargs="+", default=[], metavar="D",
+                        help="also oracle prefetches whose hand-offs wrap into the next step, D layers ahead "
+                             "(one row per D, every guess right, at the --prefetch fractions): the last D routers "
+                             "start the next token's first D layers")  # fmt: skip
     parser.add_argument("--coded", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode over exponent-coded stores at these fractions (prefill: any adds it; "
                              "none given: no coded variant)")  # fmt: skip
@@ -833,6 +866,12 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--lookahead takes layers ahead of at least 1, got {min(args.lookahead)}")
     if args.lookahead != parser.get_default("lookahead") and (args.prefill or not args.prefetch):
         parser.error("--lookahead sets how far the oracle prefetches go: it needs --prefetch, in decode mode")
+    if args.across and (args.prefill or not args.prefetch):
+        parser.error("--across adds oracle prefetches across steps: it needs --prefetch, in decode mode")
+    layers = args.layers or (TINY if args.dry_run else QWEN3)["layers"]
+    if args.across and not 1 <= min(args.across) <= max(args.across) < layers:
+        parser.error(f"--across takes layers ahead in 1..{layers - 1} (fewer than the {layers} layers), got "
+                     f"{' '.join(map(str, args.across))}")  # fmt: skip
     if not args.prefill:  # a decode run serves these only at its own fractions
         for flag in ("coded", "prefetch", "floor", "serial", "unlanded", "landed_whole"):
             extra = sorted(set(getattr(args, flag)) - set(args.fractions))

@@ -33,6 +33,11 @@ from helpers import BENCHMARKS, bench_module, traces_env
         ("bench_batch", ["--lookahead", "1", "0"], "--lookahead takes layers ahead of at least 1, got 0"),
         ("bench_batch", ["--lookahead", "3", "--prefetch"], "--lookahead sets how far the oracle prefetches go"),
         ("bench_batch", ["--lookahead", "1", "--prefill", "16"], "--lookahead sets how far the oracle prefetches"),
+        ("bench_batch", ["--across", "2", "--prefetch"], "--across adds oracle prefetches across steps: it needs"),
+        ("bench_batch", ["--across", "2", "--prefill", "16"], "--across adds oracle prefetches across steps"),
+        ("bench_batch", ["--prefetch", "0.25", "--across", "0"], "--across takes layers ahead in 1..11"),
+        ("bench_batch", ["--prefetch", "0.25", "--across", "2", "12"], "--across takes layers ahead in 1..11"),
+        ("bench_batch", ["--prefetch", "0.25", "--across", "3", "--layers", "3"], "in 1..2 (fewer than the 3"),
         ("bench_copy_service", ["--misses", "0"], "--misses must lie in 1..64"),
         ("bench_copy_service", ["--misses", "65"], "--misses must lie in 1..64"),  # more than the slots
         ("bench_copy_service", ["--layers", "0"], "--layers and --repeats >= 1"),
@@ -205,6 +210,28 @@ def test_oracle_prefetches_two_layers_ahead_copy_alike_and_serve_the_model(tmp_p
         assert one[column] == two[column], column
     assert float(one["mb_prefetched_per_step"]) > 0
     assert float(one["rel_err"]) == 0.0 == float(two["rel_err"])
+
+
+def test_oracle_prefetches_across_steps_leave_every_call_all_hits(tmp_path):
+    """``--across 1 2``: the last routers prefetch the next step's first layers, so with every
+    guess right each timed step's calls hit every expert (layer 0's too, unlike the rows that
+    stay within a step), and the outputs are the resident step's."""
+    flags = ["--dry-run", "--only", "prefetch 8/8", "--batch-sizes", "1", "--fractions", "0.25", "--prefetch",
+             "0.25", "--lookahead", "2", "--across", "1", "2", "--coded", "--floor", "--layers", "3"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags],
+        capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    path = Path(re.search(r"^CSV: (.+)$", done.stdout, re.MULTILINE).group(1))
+    with path.open(newline="") as handle:
+        rows = {row["variant"]: row for row in csv.DictReader(handle)}
+    within = rows["device prefetch 8/8 ahead 2"]
+    for name in ("device prefetch 8/8 ahead 1 across", "device prefetch 8/8 ahead 2 across"):
+        assert float(rows[name]["hit_rate"]) == 1.0, name
+        assert float(rows[name]["rel_err"]) == 0.0
+        assert float(rows[name]["mb_copied_per_step"]) == float(rows[name]["mb_prefetched_per_step"]) > 0
+    assert float(within["hit_rate"]) < 1.0  # layer 0 misses: nothing within a step comes before its router
 
 
 def test_switch_copies_refuse_what_they_cannot_serve():
