@@ -268,27 +268,28 @@ def test_across_steps_the_last_routers_prefetch_the_next_steps_first_layers(monk
     assert hits == [4, 4, 4, 4]  # the second step: every layer's experts came ahead, its first ones last step
 
 
-def test_across_steps_refusals_run_nothing():
+@pytest.mark.parametrize("device", devices())
+def test_across_steps_refusals_run_nothing(device):
     from expertcache.decode_stack import DecodeStack
 
     gen = torch.Generator().manual_seed(9)
     weights = [random_weights(E, HIDDEN, INTER, generator=gen) for _ in range(3)]
-    device_mode = [provider_on("cpu", w) for w in weights]
+    device_mode = [provider_on(device, w) for w in weights]
     for lookahead in (3, 4):
         with pytest.raises(ValueError, match="across_steps needs lookahead < the number of layers"):
             DecodeStack(
-                device_mode, HIDDEN, E, dtype=torch.float32, device="cpu", lookahead=lookahead, across_steps=True
+                device_mode, HIDDEN, E, dtype=torch.float32, device=device, lookahead=lookahead, across_steps=True
             )
     with pytest.raises(TypeError, match="across_steps"):
-        DecodeStack(device_mode, HIDDEN, E, dtype=torch.float32, device="cpu", across_steps="yes")
-    first_host = [CachedWeightProvider(weights[0], cache_size=4, mode="host", device="cpu"), *device_mode[1:]]
-    stack = DecodeStack(first_host, HIDDEN, E, dtype=torch.float32, device="cpu", across_steps=True)
-    routing = torch.stack([random_topk(1, 2, E, generator=gen) for _ in range(3)])
+        DecodeStack(device_mode, HIDDEN, E, dtype=torch.float32, device=device, across_steps="yes")
+    first_host = [CachedWeightProvider(weights[0], cache_size=4, mode="host", device=device), *device_mode[1:]]
+    stack = DecodeStack(first_host, HIDDEN, E, dtype=torch.float32, device=device, across_steps=True)
+    routing = torch.stack([random_topk(1, 2, E, generator=gen) for _ in range(3)]).to(device)
     with pytest.raises(ValueError, match=r"layers 0\.\.2; layer 0 is CachedWeightProvider in host mode"):
-        stack.step(torch.randn(1, HIDDEN), routing, routing)
+        stack.step(torch.randn(1, HIDDEN, device=device), routing, routing)
     assert all(p.stats.calls == 0 and p.prefetch_stats.calls == 0 for p in device_mode)  # nothing ran
-    without = DecodeStack(first_host, HIDDEN, E, dtype=torch.float32, device="cpu", lookahead=2)
-    without.step(torch.randn(1, HIDDEN), routing, routing)  # not across steps: layer 0 gets no row
+    without = DecodeStack(first_host, HIDDEN, E, dtype=torch.float32, device=device, lookahead=2)
+    without.step(torch.randn(1, HIDDEN, device=device), routing, routing)  # not across steps: layer 0 gets no row
     first_host[0].finish_prefetch()  # host mode: nothing to join
     with pytest.raises(ValueError, match="not attached|attached"):
         device_mode[1].pool.finish_prefetch(device_mode[2].layer)
