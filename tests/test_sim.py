@@ -75,8 +75,8 @@ def test_overlap_max_ids_overlaps_only_the_small_calls():
 
 def test_trace_streams_count_the_ids_the_runtime_gets():
     (layer0, layer1), (both,) = trace_calls(_trace(), scope="layer"), trace_calls(_trace(), scope="global")
-    assert layer0.num_ids == [4, 2, 2] and layer1.num_ids == [4, 2]  # layer 1 makes no call for token 2
-    assert both.num_ids == [4, 4, 2, 2, 2]
+    assert layer0.num_ids == (4, 2, 2) and layer1.num_ids == (4, 2)  # layer 1 makes no call for token 2
+    assert both.num_ids == (4, 4, 2, 2, 2)
     with pytest.raises(ValueError, match="num_ids"):
         replay_streams([dataclasses.replace(layer0, num_ids=[])], policy="lru", capacity=2, oversize="overlapped",
                        overlap_max_ids=4)  # fmt: skip
@@ -98,15 +98,15 @@ def _trace() -> RoutingTrace:
 
 def test_per_layer_streams():
     layer0, layer1 = trace_calls(_trace(), scope="layer")
-    assert layer0.calls == [(0, 1, 2), (0, 3), (0, 1)]
-    assert layer1.calls == [(2, 3, 0), (2, 3)]  # the forward without a record makes no call
-    assert layer1.forward_starts == [0, 1] and layer0.num_keys == 4
+    assert layer0.calls == ((0, 1, 2), (0, 3), (0, 1))
+    assert layer1.calls == ((2, 3, 0), (2, 3))  # the forward without a record makes no call
+    assert layer1.forward_starts == (0, 1) and layer0.num_keys == 4
 
 
 def test_global_stream_keys_layers_apart_in_execution_order():
     (stream,) = trace_calls(_trace(), scope="global")
-    assert stream.calls == [(0, 1, 2), (6, 7, 4), (0, 3), (0, 1), (6, 7)]
-    assert stream.forward_starts == [0, 2, 3]
+    assert stream.calls == ((0, 1, 2), (6, 7, 4), (0, 3), (0, 1), (6, 7))
+    assert stream.forward_starts == (0, 2, 3)
     assert stream.num_keys == 8 and stream.distinct_keys == 7
 
 

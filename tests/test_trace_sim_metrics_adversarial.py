@@ -198,7 +198,7 @@ def test_ids_the_recorder_cannot_read_are_refused_in_its_own_words(topk_ids, mes
 
 def test_trace_calls_still_read_a_real_stream():
     streams = trace_calls(_trace(3), scope="global")
-    assert streams[0].calls == [(0, 1), (1, 2), (2, 3)]
+    assert streams[0].calls == ((0, 1), (1, 2), (2, 3))
 
 
 # --- Defect 8: a trace or one stream where a replay takes a list of calls or streams ---------

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+import torch
 
 from expertcache.policies import EvictionPolicy
 from expertcache.sim.replay import ReplayResult, replay
@@ -38,32 +39,50 @@ class ApproximateReplayWarning(UserWarning):
 class TraceCalls:
     """One pool's call stream.
 
+    A stream is a value, like a `RoutingTrace`: frozen after its constructor checked it, and
+    its sequences are tuples (each call one too) copied from the ones given, so the calls,
+    forward starts and id counts a replay reads are the ones that were checked. To change a
+    stream, make a new one with ``dataclasses.replace``, which checks again.
+
     Attributes:
-        calls: distinct int keys of each call, in first-appearance order.
-        forward_starts: indices into ``calls`` where a forward pass starts.
+        calls: distinct int keys of each call, in first-appearance order (a tuple of tuples;
+            any sequence of sequences is accepted and copied).
+        forward_starts: indices into ``calls`` where a forward pass starts (a tuple).
         num_keys: size of the key universe (``E`` per layer, ``L * E`` global).
         num_layers: layers sharing the pool (1 per layer, ``L`` global); key ``k`` is layer
             ``k // E``'s.
         num_ids: ids of each call as the runtime gets them (``T * K``, entries without a
-            record included); empty when not known.
+            record included), a tuple; empty when not known.
+
+    Raises:
+        dataclasses.FrozenInstanceError: assigning or deleting a field after construction;
+            AttributeError / TypeError: changing one of its tuples (``append``, item assignment).
     """
 
-    calls: list[tuple[int, ...]]
-    forward_starts: list[int]
+    calls: Sequence[Sequence[int]]
+    forward_starts: Sequence[int]
     num_keys: int
     num_layers: int = 1
-    num_ids: list[int] = field(default_factory=list)
+    num_ids: Sequence[int] = ()
 
     def __post_init__(self) -> None:
-        """Refuse a layer count that cannot split the keys (a hand-built stream): each layer
-        must own ``E = num_keys // num_layers >= 1`` keys, or `layer_of` divides by zero or
-        files keys under the wrong layer.
+        """Copy the sequences into tuples, then refuse a layer count that cannot split the keys
+        (a hand-built stream): each layer must own ``E = num_keys // num_layers >= 1`` keys, or
+        `layer_of` divides by zero or files keys under the wrong layer.
 
         Raises:
-            TypeError: ``num_keys`` or ``num_layers`` not an int. ValueError: ``num_layers``
-                below 1, ``num_keys`` not a positive multiple of it, or ``num_ids`` neither
-                empty nor one count per call.
+            TypeError: ``num_keys`` or ``num_layers`` not an int, or ``calls``,
+                ``forward_starts``, ``num_ids`` or a call not a sequence (a str, a number,
+                an array of the wrong rank). ValueError:
+                ``num_layers`` below 1, ``num_keys`` not a positive multiple of it, or
+                ``num_ids`` neither empty nor one count per call.
         """
+        if isinstance(self.calls, (str, bytes)) or not isinstance(self.calls, Iterable):
+            raise TypeError(f"calls must be a sequence of calls, got a {type(self.calls).__name__}")
+        calls = tuple(_frozen(f"calls[{index}]", call) for index, call in enumerate(self.calls))  # a 2-D array: rows
+        object.__setattr__(self, "calls", calls)  # frozen: the constructor's one way in
+        object.__setattr__(self, "forward_starts", _frozen("forward_starts", self.forward_starts))
+        object.__setattr__(self, "num_ids", _frozen("num_ids", self.num_ids))
         num_layers = check_int("num_layers", self.num_layers, minimum=1)
         num_keys = check_int("num_keys", self.num_keys, minimum=1)
         if num_keys % num_layers:
@@ -90,6 +109,24 @@ class TraceCalls:
     @property
     def lookups(self) -> int:
         return sum(len(call) for call in self.calls)
+
+
+def _frozen(name: str, values: object) -> tuple:
+    """``values`` as a tuple (itself if one already: no copy), a 1-D array's or tensor's
+    items as Python ints, as `replay` counts them.
+
+    Raises:
+        TypeError: ``values`` not a sequence (a str or bytes, a number, an array not 1-D).
+    """
+    if isinstance(values, tuple):
+        return values
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        if values.ndim != 1:
+            raise TypeError(f"{name} must be a 1-D sequence, got a {values.ndim}-D {type(values).__name__}")
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence, got a {type(values).__name__}")
+    return tuple(values)
 
 
 def trace_calls(trace: RoutingTrace, *, scope: Scope) -> list[TraceCalls]:

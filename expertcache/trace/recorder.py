@@ -48,6 +48,11 @@ class RoutingRecorder:
     thread's next forward. The trace lists forwards in the order they started (their first
     record). A forward a thread left open when it ended stays in the trace as it is.
 
+    ``layers``, ``num_experts``, ``model`` and ``source`` are read-only properties, set by the
+    constructor or (while unset) by `describe` once they pass its checks: assigning or
+    deleting one raises AttributeError, since the records already taken were checked
+    against them.
+
     Args:
         layers: model layer index of each MoE layer, in column order (an integration that
             knows them sets them through `describe` if not given here).
@@ -64,17 +69,37 @@ class RoutingRecorder:
         model: str = "",
         source: str = "recorded by expertcache",
     ) -> None:
-        self.layers: tuple[int, ...] | None = None if layers is None else _layer_tuple(layers)
-        self.num_experts = None if num_experts is None else _experts(num_experts)
+        self._layers: tuple[int, ...] | None = None if layers is None else _layer_tuple(layers)
+        self._num_experts = None if num_experts is None else _experts(num_experts)
         if not isinstance(model, str) or not isinstance(source, str):
             raise TypeError("model and source must be str")
-        self.model = model
-        self.source = source
+        self._model = model
+        self._source = source
         self._forwards: list[_Forward] = []  # in the order they started, the open ones included
         self._thread = threading.local()  # .forward: the thread's open one; .request: its next starts one
         self._lock = threading.Lock()
         self._top_k: int | None = None
         self._largest_id = -1  # of every id recorded: `describe` must not give fewer experts
+
+    @property
+    def layers(self) -> tuple[int, ...] | None:
+        """Model layer index of each MoE layer, in column order; None until known (read-only)."""
+        return self._layers
+
+    @property
+    def num_experts(self) -> int | None:
+        """Experts per layer ``E``; None until known (read-only)."""
+        return self._num_experts
+
+    @property
+    def model(self) -> str:
+        """Model name stored in the trace; "" until known (read-only)."""
+        return self._model
+
+    @property
+    def source(self) -> str:
+        """Where the trace comes from, stored in it (read-only)."""
+        return self._source
 
     def describe(self, *, layers: Sequence[int], num_experts: int, model: str = "") -> None:
         """Fill in what the integration knows about the model (checked if already set).
@@ -99,8 +124,8 @@ class RoutingRecorder:
             raise ValueError(f"recorder was set up for layers {self.layers}, the model has {layers}")
         if self.num_experts is not None and self.num_experts != num_experts:
             raise ValueError(f"recorder expects {self.num_experts} experts, the model has {num_experts}")
-        self.layers, self.num_experts = layers, num_experts
-        self.model = self.model or model
+        self._layers, self._num_experts = layers, num_experts
+        self._model = self._model or model
 
     @property
     def num_forwards(self) -> int:
