@@ -45,7 +45,8 @@ from expertcache.passes import group_passes
 from expertcache.validation import check_id_bounds
 
 if TYPE_CHECKING:
-    from expertcache.slot_pool import PoolLayer, SlotPool
+    from expertcache.pool_layers import PoolLayer
+    from expertcache.slot_pool import SlotPool
 
 
 class ForwardTracker:

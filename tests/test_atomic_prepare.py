@@ -17,6 +17,7 @@ import torch
 from conftest import devices
 from helpers import random_weights, same_bytes, slot_bytes, views
 
+import expertcache.device_overlap as device_overlap
 import expertcache.device_prepare as device_prepare
 import expertcache.host_prepare as host_prepare
 from expertcache import CachedWeightProvider
@@ -85,6 +86,8 @@ def fail_before(real, failure):
 )
 @pytest.mark.parametrize("overlap", [False, True], ids=["prepare", "overlapped passes"])
 def test_a_failing_step_rolls_back(monkeypatch, device, failure, mode, module, step, when, overlap):
+    if overlap and module is device_prepare:
+        module = device_overlap  # overlapped device-mode passes launch their kernels there
     weights, provider = warm(device, mode)
     before = snapshot(provider)
     monkeypatch.setattr(module, step, when(getattr(module, step), failure))
@@ -154,7 +157,7 @@ def test_a_failing_overlapped_pass_leaves_the_passes_before_it(monkeypatch, devi
     slots, byte for byte), the error reaches the caller, and the next call is right."""
     weights, provider = warm(device, "device")
     ids = torch.arange(E, device=device).reshape(4, 2)  # 8 experts, 4 slots: 4 overlapped passes of 2
-    monkeypatch.setattr(device_prepare, step, fail_on_call(getattr(device_prepare, step), RuntimeError,
+    monkeypatch.setattr(device_overlap, step, fail_on_call(getattr(device_overlap, step), RuntimeError,
                                                            failing_pass + 1))  # fmt: skip
     taken = 0
     with pytest.raises(RuntimeError, match="injected"):

@@ -26,7 +26,7 @@ import torch
 from conftest import devices
 from helpers import random_weights, same_bytes, slot_bytes, views
 
-import expertcache.device_prepare as device_prepare
+import expertcache.device_overlap as device_overlap
 from expertcache import CachedWeightProvider, ConcurrentUseError, SlotPool
 from expertcache.layout import layout_from_weights
 from expertcache.reference import moe_forward
@@ -79,7 +79,7 @@ def test_a_thread_refused_at_an_overlapped_call_changes_nothing(monkeypatch, dev
     expected = summed_passes(alone.passes(ids, overlap=True), hidden, router)
     provider = CachedWeightProvider(weights, cache_size=4, mode="device", device=device)
     refused: list[BaseException] = []
-    real_admit = device_prepare.admit
+    real_admit = device_overlap.admit  # an overlapped call admits there
 
     def knocking(*args, **kwargs):  # another thread begins an overlapped call while this one admits
         def other() -> None:
@@ -93,7 +93,7 @@ def test_a_thread_refused_at_an_overlapped_call_changes_nothing(monkeypatch, dev
         thread.join(30)
         return real_admit(*args, **kwargs)
 
-    monkeypatch.setattr(device_prepare, "admit", knocking)
+    monkeypatch.setattr(device_overlap, "admit", knocking)
     out = summed_passes(provider.passes(ids, overlap=True), hidden, router)
     monkeypatch.undo()
     assert refused and all(isinstance(error, ConcurrentUseError) for error in refused)
@@ -134,7 +134,7 @@ def test_an_attach_that_fails_leaves_its_policy_free_and_the_pool_as_before(monk
     """The first attach binds the pool's policy instance; one that fails later (copy groups,
     table allocation: out of memory) left the instance bound to a pool that serves nothing,
     so no other pool could take it."""
-    from expertcache import slot_pool
+    from expertcache import pool_layers
     from expertcache.kernels.slot_tables import SlotTables
     from expertcache.policies import LRUPolicy
 
@@ -147,7 +147,7 @@ def test_an_attach_that_fails_leaves_its_policy_free_and_the_pool_as_before(monk
         raise MemoryError("injected")
 
     if failing == "copy_groups":
-        monkeypatch.setattr(slot_pool, "copy_groups", fail)
+        monkeypatch.setattr(pool_layers, "copy_groups", fail)
     else:
         monkeypatch.setattr(SlotTables, "allocate", fail)
     with pytest.raises(MemoryError, match="injected"):

@@ -24,7 +24,7 @@ import torch
 from conftest import devices
 from helpers import cached_and_full_stacks, random_topk, random_weights, same_bytes, slot_bytes, views
 
-import expertcache.device_prepare as device_prepare
+import expertcache.pool_prefetch as pool_prefetch
 from expertcache import CachedWeightProvider, SlotPool
 from expertcache.reference import moe_forward
 
@@ -166,13 +166,13 @@ def test_a_prefetch_whose_copy_fails_leaves_the_pool_as_before(monkeypatch, devi
     provider = provider_on(device, weights)
     provider.prepare(torch.tensor([[0, 1], [2, 3]], device=device))  # full: the guesses evict
     before = views(provider), slot_bytes(provider.pool), provider.prefetch_stats
-    real = device_prepare.copy_with_kernel
+    real = pool_prefetch.copy_with_kernel  # a prefetch launches its copy there
 
     def copy_then_fail(*args, **kwargs):
         real(*args, **kwargs)
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(device_prepare, "copy_with_kernel", copy_then_fail)
+    monkeypatch.setattr(pool_prefetch, "copy_with_kernel", copy_then_fail)
     with pytest.raises(RuntimeError, match="injected"):
         provider.prefetch(torch.tensor([5, 6, 7], device=device))
     monkeypatch.undo()
