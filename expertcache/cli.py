@@ -80,13 +80,16 @@ class _StoreOnce(argparse._StoreAction):
 
 class CommandLineParser(argparse.ArgumentParser):
     """An `argparse.ArgumentParser` whose errors are one line, ``prog: error: message``, and
-    which refuses a flag that takes a value given twice.
+    which refuses a flag that takes a value given twice, and an abbreviated flag.
 
-    (The stock parser prints its usage first; ``--help`` still shows it.) Subparsers made by
+    (The stock parser prints its usage first; ``--help`` still shows it. It also takes any
+    unambiguous prefix of a flag, ``--gpu`` for ``--gpu-budget``: a script written so would
+    break, or change meaning, the day a flag sharing that prefix is added.) Subparsers made by
     ``add_subparsers`` are of this class too.
     """
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.register("action", None, _StoreOnce)
         self.register("action", "store", _StoreOnce)

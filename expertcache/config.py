@@ -19,16 +19,18 @@ One dataclass carries what the ``--moe-*`` flags say (see `expertcache.cli.add_c
                       ~0.68 of the bytes for bf16; PCIe carries the coded bytes, the slots
                       receive the exact weights); "none" is stored as None
 
-Checks that need the model (cache_size against the router's top-k and the number of
-experts, `cache_size_range`; that the experts are bf16 or fp16 when compression is
-"exponent") happen when the cache is enabled; everything that can be checked without it is
-checked here. Whether this machine can run a mode
+Checks that need the model (the router's top-k that its config states, `config_top_k`;
+cache_size against it and the number of experts, `cache_size_range`; that the experts are
+bf16 or fp16 when compression is "exponent") happen when the cache is enabled; everything
+that can be checked without it is checked here. Whether this machine can run a mode
 (`check_mode_runs_here`) is a separate check, made by the command line before any model
 is loaded.
 """
 
 from __future__ import annotations
 
+import numbers
+import operator
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -117,6 +119,38 @@ def cache_size_range(top_k: int, num_experts: int) -> range:
     `expertcache.planner.plan` scores and recommends.
     """
     return range(top_k, num_experts + 1)
+
+
+#: The field of a transformers model config that states the router's top-k.
+TOP_K_FIELD = "num_experts_per_tok"
+
+
+def config_top_k(model_config: object, num_experts: int) -> int:
+    """The router's top-k that a model's config states (``num_experts_per_tok``), checked.
+
+    A config that states none (no such field, or None) gives 1, the fewest experts a router
+    picks: the bound `cache_size_range` needs, never a guess above what the model routes.
+
+    Args:
+        model_config: the config of a block's experts (a transformers config, or any object).
+        num_experts: experts per MoE layer (the fewest, when layers differ).
+
+    Raises:
+        ValueError: the field is not a whole number (a bool, a float, a str) or is outside
+            ``[1, num_experts]``: a top-k of 0 routes no token to any expert (a cache would
+            report 100% hits of nothing), one above the experts routes to experts that do
+            not exist. The message names the field and its value.
+    """
+    value = getattr(model_config, TOP_K_FIELD, None)
+    if value is None:
+        return 1
+    top_k = operator.index(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else 0
+    if not 1 <= top_k <= num_experts:  # 0: not a whole number, or a top-k of none
+        raise ValueError(
+            f"the model config's {TOP_K_FIELD} (the router's top-k) must be a whole number from 1 to "
+            f"{num_experts} (the experts per layer), got {value!r:.40}"
+        )
+    return top_k
 
 
 def _check_count(name: str, value: object, what: str) -> int:

@@ -7,9 +7,10 @@ disk or a refused write leaves the targets as they were and no scratch file behi
 Several files are replaced all or none: before the renames, each target that exists (but
 the last, renamed when no rename is left to fail) gets a second name beside it (a hard
 link: no bytes copied, and the file never goes missing; a copy where the file system has no
-hard links). When a rename fails, the targets already
-replaced get their old file back (the kept name renamed over them) and the new ones are
-removed; the kept names go once every rename succeeded. A reader may see a new file for
+hard links). When a rename fails, or anything else stops the renames (Ctrl-C's
+KeyboardInterrupt between two of them), the targets already replaced get their old file back
+(the kept name renamed over them) and the new ones are removed, and the exception goes on;
+the kept names go once every rename succeeded. A reader may see a new file for
 that moment, but after the call every target is the old file or every one the new.
 
 A symbolic link is followed: the file it leads to is replaced, the link stays. A file that
@@ -40,6 +41,8 @@ def write_files(files: Mapping[Path, bytes]) -> None:
             file, before anything is written.
         OSError: the first write or rename the file system refused, naming its file (a full
             disk's error carries no file name of its own). No target has changed.
+        Anything else raised during the call (a KeyboardInterrupt) is raised again, the targets
+        as they were, unless it came after the last rename (then every target is new).
     """
     targets = {path: _regular_target(path) for path in files}
     if len(set(targets.values())) < len(targets):
@@ -64,29 +67,47 @@ def write_files(files: Mapping[Path, bytes]) -> None:
 
 def _replace_all(scratches: dict[Path, Path], given: dict[Path, Path]) -> None:
     """Rename each scratch over its target, all or none: the old files are kept aside until
-    every rename succeeded, and put back when one fails (``given``: the name the caller gave
-    each target, for errors)."""
+    every rename succeeded, and put back when one fails or anything else stops the renames
+    (a KeyboardInterrupt); ``given``: the name the caller gave each target, for errors."""
     kept: dict[Path, Path | None] = {}  # target: its old file's second name (None: the target is new)
+    renaming: Path | None = None  # the target being renamed over: an OSError in that loop is its rename's
     try:
         for target in list(scratches)[:-1]:  # the last rename has none after it to fail
-            kept[target] = _keep_aside(target) if target.exists() else None
-    except OSError:
+            # named before the link is made: an interrupt just after it still finds the name to remove
+            old = kept[target] = _scratch_name(target, "old") if target.exists() else None
+            if old is not None:
+                _keep_aside(target, old)
+        for renaming, scratch in scratches.items():
+            os.replace(scratch, renaming)
         _drop(kept.values())
+    except BaseException as error:
+        _undo(kept, scratches, error, None if renaming is None else given[renaming])
         raise
-    for index, (target, scratch) in enumerate(scratches.items()):
-        try:
-            os.replace(scratch, target)
-        except OSError as error:
-            stranded = _restore(kept, list(scratches)[:index])
-            _drop(old for old in kept.values() if old not in stranded.values())
-            lost = "".join(f"; {where} could not be put back, its old file is {old}" for where, old in stranded.items())
-            raise OSError(error.errno, f"{error.strerror}{lost}", str(given[target])) from None
-    _drop(kept.values())
 
 
-def _keep_aside(target: Path) -> Path:
-    """A second name for ``target``'s file beside it: a hard link, else a copy."""
-    old = _scratch_name(target, "old")
+def _undo(kept: dict[Path, Path | None], scratches: dict[Path, Path], error: BaseException, name: Path | None) -> None:
+    """After ``error`` stopped `_replace_all`: unless every rename was done (the write is
+    whole), put back the old file of each target already replaced, and drop the kept names.
+
+    A target counts as replaced when its scratch is gone: read from the files, not from where
+    the error struck, so an interrupt between a rename and the next line is undone too.
+
+    Raises:
+        OSError: for ``error``, an OSError of the rename over ``name``: the same error naming
+            that file (and each old file that could not be put back, and where it is now).
+    """
+    replaced = [target for target, scratch in scratches.items() if not scratch.exists()]
+    stranded = {} if len(replaced) == len(scratches) else _restore(kept, replaced)
+    _drop(old for old in kept.values() if old not in stranded.values())
+    lost = "".join(f"; {where} could not be put back, its old file is {old}" for where, old in stranded.items())
+    if isinstance(error, OSError) and name is not None:
+        raise OSError(error.errno, f"{error.strerror}{lost}", str(name)) from None
+    if lost and hasattr(error, "add_note"):  # Python 3.11+; an interrupt's traceback says what is where
+        error.add_note(lost.removeprefix("; "))
+
+
+def _keep_aside(target: Path, old: Path) -> None:
+    """Give ``target``'s file the second name ``old`` beside it: a hard link, else a copy."""
     try:
         os.link(target, old)
     except OSError:  # no hard links here (some network or FUSE file systems)
@@ -95,7 +116,6 @@ def _keep_aside(target: Path) -> Path:
         except OSError as error:
             old.unlink(missing_ok=True)
             raise OSError(error.errno, error.strerror, str(target)) from None
-    return old
 
 
 def _restore(kept: dict[Path, Path | None], done: list[Path]) -> dict[Path, Path]:

@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from expertcache.cli import add_cache_arguments, cache_config_from_args
 from expertcache.commands.arguments import check_sequence_length, device_name, input_path, output_file, positive_int
 from expertcache.commands.files import check_distinct
+from expertcache.commands.load_output import held_load_output
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -263,14 +265,23 @@ def _generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
     from expertcache.integrations.transformers.generation import greedy_generate
     from expertcache.trace import RoutingRecorder
 
-    try:
-        # output_loading_info: (model, what was missing...), which transformers' overloads do not type
-        loaded: Any = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", output_loading_info=True)
-    # a corrupt checkpoint; ImportError: a quantization whose package is missing (mxfp4 needs accelerate)
-    except (OSError, ValueError, RuntimeError, KeyError, ImportError, SafetensorError) as error:
-        raise ValueError(f"--model {args.model}: cannot load the weights ({type(error).__name__}: {error})") from None
+    # what transformers prints while loading (its load report, warnings) is held back: a refused load
+    # prints one line, ours (with the report's rows when transformers raised); an accepted one shows
+    # it all now, as transformers would have. Its progress bar shows only on a terminal (see load_output).
+    with held_load_output(progress=sys.stderr.isatty()) as held:
+        try:
+            # output_loading_info: (model, what was missing...), which transformers' overloads do not type
+            loaded: Any = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", output_loading_info=True)
+        # a corrupt checkpoint; ImportError: a quantization whose package is missing (mxfp4 needs accelerate)
+        except (OSError, ValueError, RuntimeError, KeyError, ImportError, SafetensorError) as error:
+            report = held.summary()
+            raise ValueError(
+                f"--model {args.model}: cannot load the weights ({type(error).__name__}: {error})"
+                + (f"; transformers' load report: {report}" if report else "")
+            ) from None
     model, loading = loaded
     _check_nothing_missing(args.model, loading["missing_keys"])
+    held.show()
     model.eval()
     recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
     if args.experts_implementation is not None:

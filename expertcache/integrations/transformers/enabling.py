@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
-from expertcache.config import ExpertCacheConfig, cache_size_range
+from expertcache.config import ExpertCacheConfig, cache_size_range, config_top_k
 from expertcache.integrations.transformers import dispatch
 from expertcache.integrations.transformers.discovery import (
     ExpertBlock,
@@ -158,11 +158,12 @@ def check_cache_size(model: nn.Module, cache_size: int) -> list[ExpertBlock]:
 
     Raises:
         UnsupportedModelError / NoExpertsError: see `find_expert_blocks`.
-        ValueError: ``cache_size`` outside ``[top-k, experts per layer]``.
+        ValueError: ``cache_size`` outside ``[top-k, experts per layer]``; a config whose
+            ``num_experts_per_tok`` is no top-k (`expertcache.config.config_top_k`).
     """
     blocks = find_expert_blocks(model)
     fewest = min(block.num_experts for block in blocks)
-    top_k = getattr(blocks[0].module.config, "num_experts_per_tok", None) or 1
+    top_k = max(config_top_k(block.module.config, block.num_experts) for block in blocks)
     if cache_size not in cache_size_range(top_k, fewest):
         raise ValueError(
             f"the expert cache size (--moe-expert-cache-size, slots per MoE layer) must be between "
