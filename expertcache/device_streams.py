@@ -1,6 +1,10 @@
 """The streams of a device-mode pool: whether the current one is capturing a CUDA graph,
 enqueueing on the pool's copy stream, and joining that stream again.
 
+A prefetch on a stream several pools share (``SlotPool(prefetch_stream=...)``) leaves an
+event instead, ``pool.prefetch_done``: joining waits for that prefetch, not for the other
+pools' queued behind it.
+
 An overlapped call (`expertcache.device_overlap`) and a prefetch (`expertcache.pool_prefetch`)
 admit and copy on the pool's copy stream (`SlotPool.copy_stream`; none on the CPU, where
 launches run in order), after what the current stream holds (`on_stream`). While
@@ -52,6 +56,8 @@ def wait_for_copies(pool: SlotPool) -> None:
     copy_stream = pool.copy_stream() if pool.copies_pending else None
     if copy_stream is not None:
         torch.cuda.current_stream(pool.device).wait_stream(copy_stream)
+    if pool.prefetch_done is not None:
+        torch.cuda.current_stream(pool.device).wait_event(pool.prefetch_done)
 
 
 def join_copies(pool: SlotPool) -> None:
@@ -65,4 +71,6 @@ def join_copies(pool: SlotPool) -> None:
         copy_stream = pool.copy_stream()
         if copy_stream is not None:  # pending copies only ever run on one
             torch.cuda.current_stream(pool.device).wait_stream(copy_stream)
-        pool.copies_pending, pool.copy_inputs = False, ()
+    if pool.prefetch_done is not None:
+        torch.cuda.current_stream(pool.device).wait_event(pool.prefetch_done)
+    pool.copies_pending, pool.prefetch_done, pool.copy_inputs = False, None, ()
