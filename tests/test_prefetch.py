@@ -339,8 +339,7 @@ def test_pools_sharing_one_prefetch_stream_serve_like_pools_with_their_own(graph
     gen = torch.Generator().manual_seed(11)
     cached, stacks, routing = cached_and_full_stacks(gen, tokens=2, cache_size=8, layers=4, lookahead=2)
     shared = torch.cuda.Stream()
-    pools = [SlotPool.for_weights(p.store.weights, 8, device="cuda", mode="device", prefetch_stream=shared)
-             for p in cached]  # fmt: skip
+    pools = [SlotPool(p.store.layout, 8, device="cuda", mode="device", prefetch_stream=shared) for p in cached]
     one_stream = [CachedWeightProvider(p.store, pool=pool) for p, pool in zip(cached, pools, strict=True)]
     stack = DecodeStack(one_stream, 64, 16, dtype=torch.bfloat16, device="cuda", lookahead=2, across_steps=True)
     own = DecodeStack(cached, 64, 16, dtype=torch.bfloat16, device="cuda", lookahead=2, across_steps=True)
@@ -360,4 +359,6 @@ def test_pools_sharing_one_prefetch_stream_serve_like_pools_with_their_own(graph
     for mine, theirs in zip(one_stream, cached, strict=True):
         assert (mine.stats, mine.prefetch_stats) == (theirs.stats, theirs.prefetch_stats)
         assert mine.resident() == theirs.resident()
-    assert all(p.prefetch_done is None for p in pools)  # the last step's prefetches were joined (by the views)
+    for provider in one_stream:
+        provider.finish_prefetch()
+    assert all(p.prefetch_done is None and not p.copy_inputs for p in pools)  # joined, their ids let go
