@@ -303,6 +303,10 @@ class GraphedDecodeStep:
                 if self.prefetch is not None and warmup_prefetch is not None:
                     self.prefetch.copy_(warmup_prefetch[index])
                 stack.step(self.hidden, self.routing, self.prefetch)
+            for provider in stack.providers:  # across steps the last warm-up step left prefetches running
+                finish = getattr(provider, "finish_prefetch", None)
+                if finish is not None:
+                    finish()
         torch.cuda.current_stream().wait_stream(side)  # joined before capture begins
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

@@ -72,5 +72,10 @@ def join_copies(pool: SlotPool) -> None:
         if copy_stream is not None:  # pending copies only ever run on one
             torch.cuda.current_stream(pool.device).wait_stream(copy_stream)
     if pool.prefetch_done is not None:
+        if capturing(pool) and not pool.prefetch_done_captured:
+            raise RuntimeError(
+                "a prefetch issued before this CUDA graph capture began is still running on the pool's "
+                "prefetch stream, which a capture cannot wait for: call finish_prefetch() before capturing"
+            )
         torch.cuda.current_stream(pool.device).wait_event(pool.prefetch_done)
     pool.copies_pending, pool.prefetch_done, pool.copy_inputs = False, None, ()

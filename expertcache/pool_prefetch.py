@@ -22,7 +22,7 @@ import torch
 
 from expertcache.call_guards import deferred_interrupts
 from expertcache.device_rollback import undone_on_error
-from expertcache.device_streams import join_copies, on_stream, recorded
+from expertcache.device_streams import capturing, join_copies, on_stream, recorded
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.admission import admit
 from expertcache.mover import copy_with_kernel
@@ -132,4 +132,4 @@ def _admit_ahead(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> 
             if stream is pool.copy_stream():
                 pool.copies_pending = True
             else:  # a stream shared with other pools: wait for this prefetch, not for theirs after it
-                pool.prefetch_done = recorded(stream)
+                pool.prefetch_done, pool.prefetch_done_captured = recorded(stream), capturing(pool)

@@ -154,6 +154,7 @@ class SlotPool:
         #: a prefetch's copies on a ``prefetch_stream`` of its own end here, not yet joined
         #: (`expertcache.device_streams`; on the copy stream ``copies_pending`` says it)
         self.prefetch_done: torch.cuda.Event | None = None
+        self.prefetch_done_captured = False  # recorded inside a CUDA graph capture (joinable only there)
         #: an overlapped call's (or a prefetch's) copies are on the copy stream, not yet joined
         #: (`expertcache.device_streams`)
         self.copies_pending = False

@@ -362,3 +362,22 @@ def test_pools_sharing_one_prefetch_stream_serve_like_pools_with_their_own(graph
     for provider in one_stream:
         provider.finish_prefetch()
     assert all(p.prefetch_done is None and not p.copy_inputs for p in pools)  # joined, their ids let go
+
+
+@pytest.mark.gpu
+def test_a_capture_refuses_to_wait_for_a_prefetch_issued_before_it_began():
+    gen = torch.Generator().manual_seed(12)
+    weights = random_weights(E, HIDDEN, INTER, generator=gen)
+    pool = SlotPool.for_weights(weights, 4, device="cuda", mode="device", prefetch_stream=torch.cuda.Stream())
+    provider = CachedWeightProvider(weights, pool=pool)
+    provider.prefetch(torch.tensor([1, 2], device="cuda"))
+    ids = torch.tensor([[1, 2]], device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with pytest.raises(RuntimeError, match="before this CUDA graph capture began"):
+        with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            provider.prepare(ids)
+    torch.cuda.current_stream().wait_stream(side)
+    provider.finish_prefetch()  # outside a capture: joins
+    assert_serves_reference(provider, weights, ids, "cuda", gen)
+    assert provider.stats.hits == 2 and provider.prefetch_stats.misses == 2
