@@ -23,8 +23,6 @@ process, one set of pinned stores shared by every variant, one apply kernel
         across       ``across_steps``), the last D routers starting the next token's first D
                      layers; the oracle knows the next token's routing too (R = K only): how
                      close to the bound a cache gets that never waits for a router
-      ... one stream ``--one-stream``: the same prefetch rows over pools sharing one prefetch
-                     stream (``SlotPool(prefetch_stream=...)``: copies in the order issued)
     device copies    device mode, per-layer pools, the step without its expert compute (dense
       only           parts, routers, admissions and copies run; ``--floor``): what no apply,
                      overlap or kernel change can go under, since a layer's copies wait for
@@ -229,13 +227,7 @@ class Variant:
 
 
 def cached(
-    bench: Bench,
-    fraction: float,
-    mode: str,
-    shared: bool,
-    coded: bool = False,
-    mover: str | None = None,
-    prefetch_stream: torch.cuda.Stream | None = None,
+    bench: Bench, fraction: float, mode: str, shared: bool, coded: bool = False, mover: str | None = None
 ) -> Variant:
     E = bench.shape["experts"]
     stores = bench.coded_stores if coded else bench.stores
@@ -246,12 +238,7 @@ def cached(
         providers = [CachedWeightProvider(s, pool=pool, layer=index) for index, s in enumerate(stores)]
     else:
         providers = [
-            CachedWeightProvider(
-                s,
-                pool=SlotPool(
-                    s.layout, slots, device=bench.device, mode=mode, mover=mover, prefetch_stream=prefetch_stream
-                ),
-            )  # fmt: skip
+            CachedWeightProvider(s, pool=SlotPool(s.layout, slots, device=bench.device, mode=mode, mover=mover))
             for s in stores
         ]
     name = f"{mode}{' global' if shared else ''}{' coded' if coded else ''}{f' {mover} mover' if mover else ''}"
@@ -303,12 +290,9 @@ def prefetch_name(top_k: int, right: int, lookahead: int, across: bool = False) 
     return f"device prefetch {right}/{top_k}{ahead}{' across' if across else ''}"
 
 
-def prefetching(
-    bench: Bench, fraction: float, right: int, lookahead: int, across: bool = False, one_stream: bool = False
-) -> Variant:
-    stream = torch.cuda.Stream(bench.device) if one_stream else None  # shared by every layer's pool
-    variant = cached(bench, fraction, "device", False, prefetch_stream=stream)
-    name = prefetch_name(bench.shape["top_k"], right, lookahead, across) + (" one stream" if one_stream else "")
+def prefetching(bench: Bench, fraction: float, right: int, lookahead: int, across: bool = False) -> Variant:
+    variant = cached(bench, fraction, "device", False)
+    name = prefetch_name(bench.shape["top_k"], right, lookahead, across)
     return dataclasses.replace(variant, name=name, right=right, lookahead=lookahead, across=across)
 
 
@@ -347,7 +331,6 @@ def variant_builders(
     landed_whole_at: list[float] = (),  # type: ignore[assignment]
     lookaheads: list[int] = (2,),  # type: ignore[assignment]
     across: list[int] = (),  # type: ignore[assignment]
-    one_stream: bool = False,
 ) -> list[tuple[str, Callable]]:
     """``(label, build)`` of every variant after the resident one, each built when it runs (memory)."""
     builders = [(f"stream d{d}", lambda d=d: streaming(bench, d)) for d in (1, 2) if d < len(bench.stores)]
@@ -369,15 +352,14 @@ def variant_builders(
             label = f"device landed whole {fraction:.0%}"
             builders.append((label, functools.partial(landed_whole, bench, fraction)))
         if fraction in prefetch:
-            top_k = bench.shape["top_k"]
-            rows = [(right, ahead, False) for right in sorted({top_k, 3 * top_k // 4}, reverse=True)
-                    for ahead in lookaheads]  # fmt: skip
-            rows += [(top_k, ahead, True) for ahead in across]  # the ceiling of any predictor: every guess right
-            for right, ahead, wraps in rows:
-                for one in (False, True) if one_stream else (False,):
-                    label = f"{prefetch_name(top_k, right, ahead, wraps)}{' one stream' if one else ''} {fraction:.0%}"
-                    build = functools.partial(prefetching, bench, fraction, right, ahead, wraps, one)
-                    builders.append((label, build))
+            for right in sorted({bench.shape["top_k"], 3 * bench.shape["top_k"] // 4}, reverse=True):
+                for ahead in lookaheads:
+                    label = f"{prefetch_name(bench.shape['top_k'], right, ahead)} {fraction:.0%}"
+                    builders.append((label, functools.partial(prefetching, bench, fraction, right, ahead)))
+            for ahead in across:  # the ceiling of any predictor: every guess right
+                top_k = bench.shape["top_k"]
+                label = f"{prefetch_name(top_k, top_k, ahead, True)} {fraction:.0%}"
+                builders.append((label, functools.partial(prefetching, bench, fraction, top_k, ahead, True)))
     return builders
 
 
@@ -611,8 +593,7 @@ def run_decode(bench: Bench, args, resident: list[dict], save: Callable[[list[di
     save(new)
     providers.clear()
     builders = variant_builders(bench, args.fractions, args.coded, args.prefetch, args.floor, args.serial,
-                                args.unlanded, args.landed_whole, args.lookahead, args.across,
-                                args.one_stream)  # fmt: skip
+                                args.unlanded, args.landed_whole, args.lookahead, args.across)  # fmt: skip
     if args.only:
         builders = [(label, build) for label, build in builders if any(part in label for part in args.only)]
         if not builders:
@@ -821,9 +802,6 @@ def parse_args() -> argparse.Namespace:
                         help="also oracle prefetches whose hand-offs wrap into the next step, D layers ahead "
                              "(one row per D, every guess right, at the --prefetch fractions): the last D routers "
                              "start the next token's first D layers")  # fmt: skip
-    parser.add_argument("--one-stream", action="store_true",
-                        help="beside each oracle prefetch row, the same over pools sharing one prefetch stream (their "
-                             "copies run in the order issued, not side by side)")  # fmt: skip
     parser.add_argument("--coded", type=float, nargs="*", default=[0.25, 0.5], metavar="FRACTION",
                         help="device mode over exponent-coded stores at these fractions (prefill: any adds it; "
                              "none given: no coded variant)")  # fmt: skip
@@ -888,9 +866,6 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--lookahead takes layers ahead of at least 1, got {min(args.lookahead)}")
     if args.lookahead != parser.get_default("lookahead") and (args.prefill or not args.prefetch):
         parser.error("--lookahead sets how far the oracle prefetches go: it needs --prefetch, in decode mode")
-    if args.one_stream and (args.prefill or not args.prefetch or args.dry_run):
-        parser.error("--one-stream adds oracle prefetch rows over one CUDA stream: it needs --prefetch, in decode "
-                     "mode, on a GPU (not --dry-run)")  # fmt: skip
     if args.across and (args.prefill or not args.prefetch):
         parser.error("--across adds oracle prefetches across steps: it needs --prefetch, in decode mode")
     layers = args.layers or (TINY if args.dry_run else QWEN3)["layers"]

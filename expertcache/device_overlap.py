@@ -170,8 +170,6 @@ def _enqueue_pass(
         if starts is not None:  # counted inside the guard: a caller refused at it changes nothing
             pool.calls_begun += 1
             starts.append(pool.calls_begun)
-            if pool.prefetch_done is not None:  # a prefetch on another stream lands before this admission
-                join_copies(pool)
         pool.copies_pending = copy_stream is not None  # from here on, the generator's end joins
         with on_stream(copy_stream), undone_on_error(pool, pool.tables, named, None):
             if passes is not None and index == 0:

@@ -1,10 +1,6 @@
 """The streams of a device-mode pool: whether the current one is capturing a CUDA graph,
 enqueueing on the pool's copy stream, and joining that stream again.
 
-A prefetch on a stream several pools share (``SlotPool(prefetch_stream=...)``) leaves an
-event instead, ``pool.prefetch_done``: joining waits for that prefetch, not for the other
-pools' queued behind it.
-
 An overlapped call (`expertcache.device_overlap`) and a prefetch (`expertcache.pool_prefetch`)
 admit and copy on the pool's copy stream (`SlotPool.copy_stream`; none on the CPU, where
 launches run in order), after what the current stream holds (`on_stream`). While
@@ -56,8 +52,6 @@ def wait_for_copies(pool: SlotPool) -> None:
     copy_stream = pool.copy_stream() if pool.copies_pending else None
     if copy_stream is not None:
         torch.cuda.current_stream(pool.device).wait_stream(copy_stream)
-    if pool.prefetch_done is not None:
-        torch.cuda.current_stream(pool.device).wait_event(pool.prefetch_done)
 
 
 def join_copies(pool: SlotPool) -> None:
@@ -71,11 +65,4 @@ def join_copies(pool: SlotPool) -> None:
         copy_stream = pool.copy_stream()
         if copy_stream is not None:  # pending copies only ever run on one
             torch.cuda.current_stream(pool.device).wait_stream(copy_stream)
-    if pool.prefetch_done is not None:
-        if capturing(pool) and not pool.prefetch_done_captured:
-            raise RuntimeError(
-                "a prefetch issued before this CUDA graph capture began is still running on the pool's "
-                "prefetch stream, which a capture cannot wait for: call finish_prefetch() before capturing"
-            )
-        torch.cuda.current_stream(pool.device).wait_event(pool.prefetch_done)
-    pool.copies_pending, pool.prefetch_done, pool.copy_inputs = False, None, ()
+        pool.copies_pending, pool.copy_inputs = False, ()

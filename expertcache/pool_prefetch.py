@@ -2,8 +2,7 @@
 on its copy stream, while the current stream runs something else::
 
     check_prefetch    refuse what prefetch refuses, changing nothing
-    prefetch          prefetch stream (the copy stream unless the pool was given one) waits
-                      for the current one; admit, copy there (no slot ids),
+    prefetch          copy stream waits for the current one; admit, copy there (no slot ids),
                       counted apart (the ``prefetched`` row: `SlotPool.prefetch_stats`)
     finish_prefetch   current stream waits for those copies (the layer's next call does it itself)
 
@@ -22,7 +21,7 @@ import torch
 
 from expertcache.call_guards import deferred_interrupts
 from expertcache.device_rollback import undone_on_error
-from expertcache.device_streams import capturing, join_copies, on_stream, recorded
+from expertcache.device_streams import join_copies, on_stream
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.admission import admit
 from expertcache.mover import copy_with_kernel
@@ -43,11 +42,10 @@ def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None
             ``[0, E_global)`` and other ranks' experts are skipped; the first count in
             ``prefetch_stats.invalid_ids``). Leave it unchanged until the layer's next call.
 
-    Admission and copies run on the pool's prefetch stream (its copy stream unless the
-    pool was given one), after what the current stream holds, and the call returns at
-    once: the copies overlap whatever the current stream runs next (another layer's
-    compute). The pool's next ``prepare`` or ``passes`` waits for them (inside a CUDA
-    graph: call it, or `finish_prefetch`, before the capture ends). Like a call, a
+    Admission and copies run on the pool's copy stream, after what the current stream
+    holds, and the call returns at once: the copies overlap whatever the current stream
+    runs next (another layer's compute). The pool's next ``prepare`` or ``passes`` waits
+    for them (inside a CUDA graph: call it before the capture ends). Like a call, a
     prefetch may overwrite the slots of the pool's last result: enqueue the kernels that
     read it first. Prefetched experts count as used now for LRU; the counts go to
     `prefetch_stats`, not `stats`.
@@ -71,8 +69,8 @@ def prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None
 
 
 def finish_prefetch(pool: SlotPool, layer: PoolLayer) -> None:
-    """Make the current stream wait for the copies ``layer``'s prefetches still run (a no-op
-    when none does, and in host mode).
+    """Make the current stream wait for the copies ``layer``'s prefetches still run on the
+    pool's copy stream (a no-op when none does, and in host mode).
 
     The layer's next call joins them by itself; call this when that call lies outside
     the CUDA graph being captured (a prefetch for the next step's graph), which must
@@ -113,23 +111,19 @@ def check_prefetch(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -
 
 
 def _admit_ahead(pool: SlotPool, layer: PoolLayer, expert_ids: torch.Tensor) -> None:
-    """Admit ``expert_ids`` ``[1, N]`` and copy the misses on the pool's prefetch stream (its
-    copy stream unless given one), counting into the layer's ``prefetched`` row. Atomic like
-    a call: a failing launch puts the slots and the state back."""
-    stream = pool.prefetch_stream()
+    """Admit ``expert_ids`` ``[1, N]`` and copy the misses on the pool's copy stream,
+    counting into the layer's ``prefetched`` row. Atomic like a call: a failing launch puts
+    the slots and the state back."""
+    copy_stream = pool.copy_stream()
     tables = dataclasses.replace(pool.tables, counters=pool.tables.prefetched)
     named = dict(pool.tensors)
     where: dict[str, Any] = dict(num_global=layer.num_global, key_offset=layer.key_offset)
     with pool.guard, on_device(pool.device), deferred_interrupts():
         pool.calls_begun += 1
         join_copies(pool)  # an earlier prefetch's admission lands before this one's snapshot
-        with undone_on_error(pool, pool.tables, named, stream), on_stream(stream):
+        with undone_on_error(pool, pool.tables, named, copy_stream), on_stream(copy_stream):
             out = torch.empty_like(expert_ids)  # the slot ids nobody reads
             admit(tables, expert_ids, layer.global_to_local, out, layer=layer.index, **where)
             copy_with_kernel(named, layer.store, tables.plan, layer.copy_groups)
-        if stream is not None:  # the stream reads them later: keep them alive until it is joined
-            pool.copy_inputs = (expert_ids, out)
-            if stream is pool.copy_stream():
-                pool.copies_pending = True
-            else:  # a stream shared with other pools: wait for this prefetch, not for theirs after it
-                pool.prefetch_done, pool.prefetch_done_captured = recorded(stream), capturing(pool)
+        if copy_stream is not None:  # the copy stream reads them later: keep them alive until it is joined
+            pool.copies_pending, pool.copy_inputs = True, (expert_ids, out)

@@ -83,11 +83,6 @@ class SlotPool:
             may need more experts than the share): each pass's plan is read back (one sync
             a pass) and the engine copies, at its faster rate. Everything else (inside CUDA
             graphs and ``torch.compile`` too) copies with the kernel.
-        prefetch_stream: the CUDA stream device-mode prefetches admit and copy on (default:
-            the pool's copy stream, one per pool). Give the pools of a model's layers one
-            stream and their prefetches run in the order they were issued, the next layer's
-            first, instead of sharing the link at once (measured in `benchmarks/README.md`,
-            run 119). Needs ``mode="device"`` on that stream's device.
 
     Attach every layer before the first ``prepare``. A pool serves one thread at a time;
     a result's slot tensors hold its experts until the pool's next ``prepare``.
@@ -102,7 +97,6 @@ class SlotPool:
         policy: str | EvictionPolicy = "lru",
         mode: str = "host",
         mover: str | None = None,
-        prefetch_stream: torch.cuda.Stream | None = None,
     ) -> None:
         if not isinstance(layout, ExpertLayout):
             given = f"the class {layout.__name__}" if isinstance(layout, type) else type(layout).__name__
@@ -123,8 +117,6 @@ class SlotPool:
             check_mode_device(self.device)
         if mode == "device":
             device_prepare.check_device_policy(policy)
-        if prefetch_stream is not None:
-            check_prefetch_stream(prefetch_stream, mode, self.device)
         chosen = None if mode == "device" else _host_policy(policy, num_slots)
         with torch.inference_mode(False):  # in-place updates must work inside and outside it
             self.tensors = layout.allocate(num_slots, self.device, POISON)
@@ -150,11 +142,6 @@ class SlotPool:
             self.no_passes = torch.empty(0, dtype=torch.int32, device=self.device)  # a call of one pass
         self.op_id = device_prepare.register(self)
         self._copy_stream: torch.cuda.Stream | None = None
-        self._prefetch_stream = prefetch_stream
-        #: a prefetch's copies on a ``prefetch_stream`` of its own end here, not yet joined
-        #: (`expertcache.device_streams`; on the copy stream ``copies_pending`` says it)
-        self.prefetch_done: torch.cuda.Event | None = None
-        self.prefetch_done_captured = False  # recorded inside a CUDA graph capture (joinable only there)
         #: an overlapped call's (or a prefetch's) copies are on the copy stream, not yet joined
         #: (`expertcache.device_streams`)
         self.copies_pending = False
@@ -272,10 +259,6 @@ class SlotPool:
             self._copy_stream = torch.cuda.Stream(self.device, priority=COPY_STREAM_PRIORITY)
         return self._copy_stream
 
-    def prefetch_stream(self) -> torch.cuda.Stream | None:
-        """The stream prefetches admit and copy on: the one given, else the copy stream."""
-        return self._prefetch_stream if self._prefetch_stream is not None else self.copy_stream()
-
     def _started_by(self, passes: Generator[_Pass]) -> Generator[_Pass]:
         with contextlib.closing(passes):  # a caller's close() reaches the passes at once, not at collection
             for served in passes:
@@ -295,20 +278,6 @@ class SlotPool:
     prefetch_stats = pool_views.prefetch_stats
     expert_to_slot = pool_views.expert_to_slot
     expert_in = pool_views.expert_in
-
-
-def check_prefetch_stream(stream: object, mode: str, device: torch.device) -> None:
-    """A ``prefetch_stream`` is a CUDA stream on the pool's device, for a device-mode pool.
-
-    Raises:
-        TypeError: not a ``torch.cuda.Stream``. ValueError: host mode, or another device.
-    """
-    if not isinstance(stream, torch.cuda.Stream):
-        raise TypeError(f"prefetch_stream must be a torch.cuda.Stream, got {type(stream).__name__}")
-    if mode != "device":
-        raise ValueError("prefetch_stream is for device mode's prefetches; host mode does not prefetch")
-    if stream.device != device:
-        raise ValueError(f"prefetch_stream is on {stream.device}, the pool on {device}")
 
 
 def _host_policy(policy: str | EvictionPolicy, num_slots: int) -> EvictionPolicy:

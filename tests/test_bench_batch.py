@@ -38,8 +38,6 @@ from helpers import BENCHMARKS, bench_module, traces_env
         ("bench_batch", ["--prefetch", "0.25", "--across", "0"], "--across takes layers ahead in 1..11"),
         ("bench_batch", ["--prefetch", "0.25", "--across", "2", "12"], "--across takes layers ahead in 1..11"),
         ("bench_batch", ["--prefetch", "0.25", "--across", "3", "--layers", "3"], "in 1..2 (fewer than the 3"),
-        ("bench_batch", ["--one-stream", "--dry-run"], "--one-stream adds oracle prefetch rows over one CUDA stream"),
-        ("bench_batch", ["--one-stream", "--prefetch"], "--one-stream adds oracle prefetch rows over one CUDA"),
         ("bench_copy_service", ["--misses", "0"], "--misses must lie in 1..64"),
         ("bench_copy_service", ["--misses", "65"], "--misses must lie in 1..64"),  # more than the slots
         ("bench_copy_service", ["--layers", "0"], "--layers and --repeats >= 1"),

@@ -14,9 +14,7 @@
   a captured step joins those copies before it ends (``finish_prefetch``) and replays equal
   to the eager step without prefetches (GPU);
 * a CUDA graph of a decode step that prefetches (one and two layers ahead) replays equal to
-  the eager step without prefetches (GPU);
-* pools sharing one prefetch stream (``SlotPool(prefetch_stream=...)``) serve what pools with
-  their own streams serve, eager and captured (GPU); a stream that cannot serve is refused.
+  the eager step without prefetches (GPU).
 """
 
 from __future__ import annotations
@@ -318,66 +316,3 @@ def test_graphed_step_across_steps_joins_its_prefetches_and_replays_equal_to_eag
     distinct = [sum(len(set(steps[i][layer].flatten().tolist())) for i in range(1, 6)) for layer in range(4)]
     assert [a.hits - b.hits for a, b in zip(after, before, strict=True)] == distinct  # every expert came ahead
     assert [a.misses - b.misses for a, b in zip(after, before, strict=True)] == [0] * 4
-
-
-@pytest.mark.parametrize("device", devices())
-def test_a_prefetch_stream_that_cannot_serve_is_refused(device):
-    weights = random_weights(E, HIDDEN, INTER)
-    with pytest.raises(TypeError, match="prefetch_stream must be a torch.cuda.Stream, got str"):
-        SlotPool.for_weights(weights, 4, device=device, mode="device", prefetch_stream="side")
-    if device != "cuda":
-        return
-    with pytest.raises(ValueError, match="host mode does not prefetch"):
-        SlotPool.for_weights(weights, 4, device=device, mode="host", prefetch_stream=torch.cuda.Stream())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("graphed", [False, True])
-def test_pools_sharing_one_prefetch_stream_serve_like_pools_with_their_own(graphed):
-    from expertcache.decode_stack import DecodeStack, GraphedDecodeStep
-
-    gen = torch.Generator().manual_seed(11)
-    cached, stacks, routing = cached_and_full_stacks(gen, tokens=2, cache_size=8, layers=4, lookahead=2)
-    shared = torch.cuda.Stream()
-    pools = [SlotPool(p.store.layout, 8, device="cuda", mode="device", prefetch_stream=shared) for p in cached]
-    one_stream = [CachedWeightProvider(p.store, pool=pool) for p, pool in zip(cached, pools, strict=True)]
-    stack = DecodeStack(one_stream, 64, 16, dtype=torch.bfloat16, device="cuda", lookahead=2, across_steps=True)
-    own = DecodeStack(cached, 64, 16, dtype=torch.bfloat16, device="cuda", lookahead=2, across_steps=True)
-    steps = [routing() for _ in range(7)]
-    hidden = torch.randn(2, 64, generator=gen).to("cuda", torch.bfloat16)
-    guesses = [across_oracle(steps[i], steps[i + 1], 2) for i in range(6)]
-    run = stack.step
-    if graphed:
-        run = GraphedDecodeStep(stack, hidden, steps[0].unsqueeze(0), guesses[0].unsqueeze(0))
-    else:
-        run(hidden, steps[0], guesses[0])
-    own.step(hidden, steps[0], guesses[0])
-    for index in range(1, 6):
-        served = run(hidden, steps[index], guesses[index]).clone()
-        assert torch.equal(served, own.step(hidden, steps[index], guesses[index]))
-        assert torch.equal(served, stacks[1].step(hidden, steps[index]))
-    for mine, theirs in zip(one_stream, cached, strict=True):
-        assert (mine.stats, mine.prefetch_stats) == (theirs.stats, theirs.prefetch_stats)
-        assert mine.resident() == theirs.resident()
-    for provider in one_stream:
-        provider.finish_prefetch()
-    assert all(p.prefetch_done is None and not p.copy_inputs for p in pools)  # joined, their ids let go
-
-
-@pytest.mark.gpu
-def test_a_capture_refuses_to_wait_for_a_prefetch_issued_before_it_began():
-    gen = torch.Generator().manual_seed(12)
-    weights = random_weights(E, HIDDEN, INTER, generator=gen)
-    pool = SlotPool.for_weights(weights, 4, device="cuda", mode="device", prefetch_stream=torch.cuda.Stream())
-    provider = CachedWeightProvider(weights, pool=pool)
-    provider.prefetch(torch.tensor([1, 2], device="cuda"))
-    ids = torch.tensor([[1, 2]], device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with pytest.raises(RuntimeError, match="before this CUDA graph capture began"):
-        with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph()):
-            provider.prepare(ids)
-    torch.cuda.current_stream().wait_stream(side)
-    provider.finish_prefetch()  # outside a capture: joins
-    assert_serves_reference(provider, weights, ids, "cuda", gen)
-    assert provider.stats.hits == 2 and provider.prefetch_stats.misses == 2
