@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import socket
 import sys
 from pathlib import Path
@@ -159,3 +160,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def checkpoint_with(checkpoint: Path, folder: Path, **fields) -> Path:
+    """``checkpoint``'s config with ``fields`` changed, beside a link to its weights (a
+    ``model.safetensors`` checkpoint folder); returns ``folder``."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    (folder / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
+    return folder

@@ -191,12 +191,8 @@ def test_the_floor_runs_the_same_copies_as_the_cached_step(tmp_path, batch):
         assert int(rows[("device", "8")]["max_passes"]) > int(rows[("device serial", "8")]["max_passes"]) > 1
 
 
-def test_oracle_prefetches_two_layers_ahead_copy_alike_and_serve_the_model(tmp_path):
-    """``--lookahead 1 2``: one row per depth; an oracle that guesses every id leaves each
-    layer after the first all hits at either depth, so the calls' hit rates and the bytes
-    copied (calls and prefetches) agree, and both outputs are the resident step's."""
-    flags = ["--dry-run", "--only", "prefetch 8/8", "--batch-sizes", "1", "--fractions", "0.25", "--prefetch",
-             "0.25", "--lookahead", "1", "2", "--coded", "--floor", "--layers", "3"]  # fmt: skip
+def dry_run_rows(tmp_path: Path, flags: list[str]) -> dict[str, dict[str, str]]:
+    """Run ``bench_batch.py`` with ``flags`` (a dry run) in a subprocess; its CSV rows by variant."""
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags],
         capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path),
@@ -204,7 +200,16 @@ def test_oracle_prefetches_two_layers_ahead_copy_alike_and_serve_the_model(tmp_p
     assert done.returncode == 0, done.stderr[-2000:]
     path = Path(re.search(r"^CSV: (.+)$", done.stdout, re.MULTILINE).group(1))
     with path.open(newline="") as handle:
-        rows = {row["variant"]: row for row in csv.DictReader(handle)}
+        return {row["variant"]: row for row in csv.DictReader(handle)}
+
+
+def test_oracle_prefetches_two_layers_ahead_copy_alike_and_serve_the_model(tmp_path):
+    """``--lookahead 1 2``: one row per depth; an oracle that guesses every id leaves each
+    layer after the first all hits at either depth, so the calls' hit rates and the bytes
+    copied (calls and prefetches) agree, and both outputs are the resident step's."""
+    flags = ["--dry-run", "--only", "prefetch 8/8", "--batch-sizes", "1", "--fractions", "0.25", "--prefetch",
+             "0.25", "--lookahead", "1", "2", "--coded", "--floor", "--layers", "3"]  # fmt: skip
+    rows = dry_run_rows(tmp_path, flags)
     one, two = rows["device prefetch 8/8"], rows["device prefetch 8/8 ahead 2"]
     for column in ("hit_rate", "mb_copied_per_step", "mb_prefetched_per_step"):
         assert one[column] == two[column], column
@@ -218,14 +223,7 @@ def test_oracle_prefetches_across_steps_leave_every_call_all_hits(tmp_path):
     stay within a step), and the outputs are the resident step's."""
     flags = ["--dry-run", "--only", "prefetch 8/8", "--batch-sizes", "1", "--fractions", "0.25", "--prefetch",
              "0.25", "--lookahead", "2", "--across", "1", "2", "--coded", "--floor", "--layers", "3"]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_batch.py"), *flags],
-        capture_output=True, text=True, timeout=300, cwd=BENCHMARKS, env=traces_env(tmp_path),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    path = Path(re.search(r"^CSV: (.+)$", done.stdout, re.MULTILINE).group(1))
-    with path.open(newline="") as handle:
-        rows = {row["variant"]: row for row in csv.DictReader(handle)}
+    rows = dry_run_rows(tmp_path, flags)
     within = rows["device prefetch 8/8 ahead 2"]
     for name in ("device prefetch 8/8 ahead 1 across", "device prefetch 8/8 ahead 2 across"):
         assert float(rows[name]["hit_rate"]) == 1.0, name

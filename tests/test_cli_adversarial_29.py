@@ -11,7 +11,6 @@ a flag that does nothing says so.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import checkpoint_with
 from test_cli_errors import _check_one_line
 
 from expertcache.cli import STATUS_PIPE_CLOSED, main
@@ -44,14 +44,6 @@ def _python(code: str, *, stdout=subprocess.PIPE, env: dict[str, str] | None = N
     )
 
 
-def _checkpoint_with(checkpoint: Path, folder: Path, **fields) -> Path:
-    """``checkpoint``'s config with ``fields`` changed, beside a link to its weights."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **fields}))
-    (folder / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
-    return folder
-
-
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
@@ -64,7 +56,7 @@ def _checkpoint_with(checkpoint: Path, folder: Path, **fields) -> Path:
     ],
 )
 def test_a_config_transformers_refuses_is_one_line_before_the_weights(checkpoint, tmp_path, fields, expected, capsys):
-    model = _checkpoint_with(checkpoint, tmp_path, **fields)
+    model = checkpoint_with(checkpoint, tmp_path, **fields)
     argv = ["generate", "--model", str(model), "--moe-expert-cache-size", "4", "--device", "cpu"]
     status = _status(argv)
     captured = capsys.readouterr()

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import checkpoint_with
 from test_cli_errors import _check_one_line
 
 from expertcache import file_writes
@@ -114,14 +114,6 @@ def test_an_abbreviated_required_flag_is_one_line_from_the_installed_command(tmp
 # -- a config's top-k --------------------------------------------------------------------------
 
 
-def _checkpoint_with(checkpoint: Path, folder: Path, **fields) -> Path:
-    """``checkpoint``'s config with ``fields`` changed, beside a link to its weights."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **fields}))
-    (folder / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
-    return folder
-
-
 @pytest.mark.parametrize(
     "top_k",
     [
@@ -131,7 +123,7 @@ def _checkpoint_with(checkpoint: Path, folder: Path, **fields) -> Path:
     ],
 )
 def test_generate_refuses_a_config_top_k_that_is_no_top_k(checkpoint, tmp_path, top_k, capsys):
-    model = _checkpoint_with(checkpoint, tmp_path, num_experts_per_tok=top_k)
+    model = checkpoint_with(checkpoint, tmp_path, num_experts_per_tok=top_k)
     argv = ["generate", "--model", str(model), "--moe-expert-cache-size", "4", "--device", "cpu",
             "--max-new-tokens", "2"]  # fmt: skip
     try:

@@ -181,6 +181,17 @@ def test_a_prefetch_whose_copy_fails_leaves_the_pool_as_before(monkeypatch, devi
     assert_serves_reference(provider, weights, torch.tensor([[5, 0], [6, 1]], device=device), device, gen)
 
 
+def recorded_calls(monkeypatch, providers) -> list[tuple[str, int]]:
+    """A list that fills with ``("prefetch" | "passes", layer)`` as the providers are called."""
+    events: list[tuple[str, int]] = []
+    for index, provider in enumerate(providers):
+        for method in ("prefetch", "passes"):
+            real = getattr(provider, method)
+            recorder = lambda *a, real=real, name=(method, index), **k: (events.append(name), real(*a, **k))[1]  # noqa: E731
+            monkeypatch.setattr(provider, method, recorder)
+    return events
+
+
 @pytest.mark.parametrize("lookahead", [1, 2, 4])
 @pytest.mark.parametrize("device", devices())
 def test_a_stack_prefetches_lookahead_layers_on_before_their_calls(monkeypatch, device, lookahead):
@@ -188,12 +199,7 @@ def test_a_stack_prefetches_lookahead_layers_on_before_their_calls(monkeypatch, 
     cached, stacks, routing = cached_and_full_stacks(
         gen, tokens=1, cache_size=8, device=device, layers=4, lookahead=lookahead
     )
-    events: list[tuple[str, int]] = []
-    for index, provider in enumerate(cached):
-        for method in ("prefetch", "passes"):
-            real = getattr(provider, method)
-            recorder = lambda *a, real=real, name=(method, index), **k: (events.append(name), real(*a, **k))[1]  # noqa: E731
-            monkeypatch.setattr(provider, method, recorder)
+    events = recorded_calls(monkeypatch, cached)
     hidden = torch.randn(1, 64, generator=gen).to(device, torch.bfloat16)
     step_routing = routing()
     served = stacks[0].step(hidden, step_routing, step_routing)  # an oracle: every guess right
@@ -247,12 +253,7 @@ def test_across_steps_the_last_routers_prefetch_the_next_steps_first_layers(monk
     cached, stacks, routing = cached_and_full_stacks(
         gen, tokens=1, cache_size=8, device=device, layers=4, lookahead=lookahead, across_steps=True
     )
-    events: list[tuple[str, int]] = []
-    for index, provider in enumerate(cached):
-        for method in ("prefetch", "passes"):
-            real = getattr(provider, method)
-            recorder = lambda *a, real=real, name=(method, index), **k: (events.append(name), real(*a, **k))[1]  # noqa: E731
-            monkeypatch.setattr(provider, method, recorder)
+    events = recorded_calls(monkeypatch, cached)
     steps = [routing() for _ in range(3)]
     hidden = torch.randn(1, 64, generator=gen).to(device, torch.bfloat16)
     for index in range(2):
