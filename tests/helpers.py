@@ -1,10 +1,10 @@
-"""Builders shared by the tests: random expert weights and routing."""
+"""Builders shared by the tests: random expert weights and routing, checkpoints, trace
+folders (`process_groups` holds the torch.distributed process groups)."""
 
 from __future__ import annotations
 
 import importlib
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -153,13 +153,6 @@ def traces_env(folder) -> dict[str, str]:
     if real_traces().is_dir():
         return dict(os.environ)
     return {**os.environ, "EXPERTCACHE_TRACES": str(synthetic_qwen3_traces(folder))}
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (a process group's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def checkpoint_with(checkpoint: Path, folder: Path, **fields) -> Path:

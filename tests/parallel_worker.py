@@ -8,11 +8,9 @@ seed, runs its own tokens through `ExpertParallelMoE`, and checks its rows again
 from __future__ import annotations
 
 import math
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import random_topk, random_weights
 
 from expertcache.parallel import (
@@ -26,20 +24,6 @@ from expertcache.reference import moe_forward
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 10, 3, 16, 8  # 4 ranks own 3,3,2,2
 CACHE_SIZE = 2  # below the experts one step can use on a rank: evictions and groups happen
-
-
-def run_rank(rank: int, world_size: int, port: int, scheme: str, steps: int, pacing: bool) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=120),
-    )
-    try:
-        check_rank(rank, world_size, scheme, steps, pacing)
-    finally:
-        dist.destroy_process_group()
 
 
 def check_rank(rank: int, world_size: int, scheme: str, steps: int, pacing: bool) -> None:

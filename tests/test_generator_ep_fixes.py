@@ -23,9 +23,8 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import free_port, random_weights
+from helpers import random_weights
+from process_groups import run_ranks
 from transformers_helpers import TINY, tiny_model
 
 import expertcache.parallel.layer as layer_module
@@ -154,18 +153,13 @@ SECOND = torch.tensor([[2, 6], [3, 7], [2, 7], [3, 6]])  # evicts all of them: 2
 
 
 def test_an_error_after_the_cache_served_leaves_a_layer_that_still_equals_the_reference():
-    mp.spawn(run_ep_ranks, args=(free_port(),), nprocs=2, join=True)
+    run_ranks(check_ep_rank, 2, collective_timeout=timedelta(seconds=60))
 
 
-def run_ep_ranks(rank: int, port: int) -> None:
-    init = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    try:
-        for pacing in (False, True):
-            for where, failing in (("exchange", (0, 1)), ("combine", (1,)), ("compute", (0, 1))):
-                check_error_after_serving(rank, where, failing, pacing)
-    finally:
-        dist.destroy_process_group()
+def check_ep_rank(rank: int) -> None:
+    for pacing in (False, True):
+        for where, failing in (("exchange", (0, 1)), ("combine", (1,)), ("compute", (0, 1))):
+            check_error_after_serving(rank, where, failing, pacing)
 
 
 @contextlib.contextmanager

@@ -24,15 +24,13 @@ import queue
 import re
 import sys
 import threading
-import time
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import devices
-from helpers import free_port, random_weights
+from helpers import random_weights
+from process_groups import run_ranks
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -180,25 +178,9 @@ def test_invalid_ids_and_overflows_are_exported_with_their_help(device):
 
 
 def _spawn_two_ranks(check) -> None:
-    """Run ``check(rank)`` on two gloo ranks; fail (after stopping them) if they are not done
-    by the deadline: a rank left waiting in a collective must fail the test, not hang it."""
-    context = mp.spawn(_run_rank, args=(free_port(), check), nprocs=2, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
-            pytest.fail(f"the two ranks were not done after {DEADLINE_S} s: one waits in a collective")
-
-
-def _run_rank(rank: int, port: int, check) -> None:
-    init = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
-    try:
-        check(rank)
-    finally:
-        dist.destroy_process_group()
+    """Run ``check(rank)`` on two gloo ranks; a rank left waiting in a collective fails the
+    test at the deadline instead of hanging it."""
+    run_ranks(check, 2, timeout=DEADLINE_S, collective_timeout=COLLECTIVE_TIMEOUT)
 
 
 def _layer(rank: int, cls: type[ExpertParallelMoE] = ExpertParallelMoE) -> ExpertParallelMoE:

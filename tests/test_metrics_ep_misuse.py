@@ -24,9 +24,8 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import free_port, random_weights
+from helpers import random_weights
+from process_groups import process_group, run_ranks
 from prometheus_client import CollectorRegistry, generate_latest
 
 from expertcache import CachedWeightProvider
@@ -109,9 +108,8 @@ def test_a_paused_collector_freezes_the_prepare_time_histogram_too():
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with process_group():
+        yield
 
 
 def _layer() -> ExpertParallelMoE:
@@ -148,17 +146,12 @@ def test_gather_stats_refuses_counters_that_are_not_int64_counts(one_rank_group,
 
 
 def test_two_ranks_that_disagree_raise_alike_and_none_waits():
-    mp.spawn(_run_two_ranks, args=(free_port(),), nprocs=2, join=True)
+    run_ranks(_check_two_ranks, 2, collective_timeout=timedelta(seconds=20))
 
 
-def _run_two_ranks(rank: int, port: int) -> None:
-    init = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=20))
-    try:
-        _check_partitions_disagree(rank)
-        _check_gather_stats_refused_on_one_rank(rank)
-    finally:
-        dist.destroy_process_group()
+def _check_two_ranks(rank: int) -> None:
+    _check_partitions_disagree(rank)
+    _check_gather_stats_refused_on_one_rank(rank)
 
 
 def _check_partitions_disagree(rank: int) -> None:

@@ -4,15 +4,16 @@ Each rank's output equals the single-process reference exactly in fp32 over 60 r
 steps (uneven and empty token counts, skipped choices, caches smaller than one step's
 experts); each rank's resident set holds only its own experts; gathered statistics and
 manifests agree with what every rank did. The checks run inside the ranks
-(`parallel_worker`); a failing rank fails the spawn.
+(`parallel_worker`); a failing rank fails the test with its traceback.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
-import torch.multiprocessing as mp
-from helpers import free_port
-from parallel_worker import run_rank
+from parallel_worker import check_rank
+from process_groups import run_ranks
 
 STEPS = 60
 
@@ -26,9 +27,4 @@ STEPS = 60
     ],
 )
 def test_ranks_equal_the_single_process_layer(world_size, scheme, pacing):
-    mp.spawn(
-        run_rank,
-        args=(world_size, free_port(), scheme, STEPS, pacing),
-        nprocs=world_size,
-        join=True,
-    )
+    run_ranks(check_rank, world_size, world_size, scheme, STEPS, pacing, collective_timeout=timedelta(seconds=120))

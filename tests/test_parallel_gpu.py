@@ -9,11 +9,9 @@ deterministic matmul gives the same bits.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
+from process_groups import free_port, process_group
 
 from expertcache.parallel import ExpertParallelMoE, ExpertPartition, LocalExperts, gather_stats
 from expertcache.reference import expert_outputs, moe_forward
@@ -71,12 +69,8 @@ def test_rank_with_half_the_experts_on_one_gpu(dtype, cache_fraction):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_over_a_one_rank_nccl_group(dtype):
     """The collective path (all-gather, all-to-all) on CUDA tensors through NCCL."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with process_group("nccl", port=free_port()):
         full = qwen3_weights(dtype, seed=2)
         partition = ExpertPartition(NUM_EXPERTS, 1)
         local = LocalExperts.from_full_weights(
@@ -94,5 +88,3 @@ def test_layer_over_a_one_rank_nccl_group(dtype):
             assert_same_bits(layer(hidden, router_weights, ids), reference)
         gathered = gather_stats(layer.stats, device="cuda")
         assert gathered.per_rank == (layer.stats,)
-    finally:
-        dist.destroy_process_group()

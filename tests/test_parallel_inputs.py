@@ -15,9 +15,8 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import free_port, random_weights
+from helpers import random_weights
+from process_groups import process_group, run_ranks
 
 from expertcache import CachedWeightProvider
 from expertcache.parallel import (
@@ -210,9 +209,8 @@ def test_a_partition_must_be_an_expert_partition():
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with process_group():
+        yield
 
 
 @pytest.fixture
@@ -352,16 +350,7 @@ def test_a_pacer_routes_copies_only_while_its_call_runs():
 
 
 def test_two_ranks_raise_alike_instead_of_aborting():
-    mp.spawn(run_two_ranks, args=(free_port(),), nprocs=2, join=True)
-
-
-def run_two_ranks(rank: int, port: int) -> None:
-    init = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    try:
-        check_two_ranks(rank)
-    finally:
-        dist.destroy_process_group()
+    run_ranks(check_two_ranks, 2, collective_timeout=timedelta(seconds=60))
 
 
 def check_two_ranks(rank: int) -> None:
