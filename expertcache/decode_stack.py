@@ -172,6 +172,8 @@ class DecodeStack:
             TypeError / ValueError: bad shapes, dtypes or devices of any input, routing ids
                 outside ``[0, E)`` (read in eager steps only: a captured step cannot sync),
                 predictions a cache would refuse. Raised before any layer runs.
+            An error inside a layer (its ``apply``) ends that layer's call (its passes
+            closed) before it propagates: the next step runs, and prefetches, as usual.
         """
         self._check_step(hidden, routing)
         if prefetch is not None:
@@ -188,18 +190,32 @@ class DecodeStack:
                     cast("CachedWeightProvider", self.providers[ahead]).prefetch(prefetch[ahead])
                     if ahead <= layer:
                         wrapped.append(ahead)
-            overlap = self.overlap and ids.numel() <= OVERLAP_MAX_IDS
-            if not overlap:
-                results = provider.passes(ids)
-            elif self.landing:  # asked only then: a provider written before landing takes overlap alone
-                results = provider.passes(ids, overlap=True, landing=True)
-            else:
-                results = provider.passes(ids, overlap=True)
-            h = h + self.apply(h, results, weights)
+            h = h + self._experts(provider, h, ids, weights)
         if wrapped and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
             for index in wrapped:  # the graph must join them; the next step's calls are outside it
                 cast("CachedWeightProvider", self.providers[index]).finish_prefetch()
         return h
+
+    def _experts(
+        self, provider: ExpertWeightProvider, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """One layer's expert output: its call's passes through ``apply``. The call ends with
+        the apply, even one that raised between two passes: an open overlapped call keeps its
+        misses' slots promised, refusing the layer's prefetches until its generator is collected
+        (the exception's traceback holds it, maybe for good)."""
+        overlap = self.overlap and ids.numel() <= OVERLAP_MAX_IDS
+        if not overlap:
+            results = provider.passes(ids)
+        elif self.landing:  # asked only then: a provider written before landing takes overlap alone
+            results = provider.passes(ids, overlap=True, landing=True)
+        else:
+            results = provider.passes(ids, overlap=True)
+        try:
+            return self.apply(hidden, results, weights)
+        finally:
+            close = getattr(results, "close", None)
+            if close is not None:  # a finished call's generator: a no-op
+                close()
 
     def _prefetched_at(self, layer: int) -> range:
         """The layers whose predictions layer ``layer``'s router hands on: ``layer + d``, and
@@ -303,10 +319,7 @@ class GraphedDecodeStep:
                 if self.prefetch is not None and warmup_prefetch is not None:
                     self.prefetch.copy_(warmup_prefetch[index])
                 stack.step(self.hidden, self.routing, self.prefetch)
-            for provider in stack.providers:  # across steps the last warm-up step left prefetches running
-                finish = getattr(provider, "finish_prefetch", None)
-                if finish is not None:
-                    finish()
+            self._finish_prefetches()  # across steps the last warm-up step left prefetches running
         torch.cuda.current_stream().wait_stream(side)  # joined before capture begins
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
@@ -319,6 +332,11 @@ class GraphedDecodeStep:
         ``prefetch`` ``[L, T, P]`` exactly when the graph was captured with predictions).
 
         Returns the graph's output buffer (overwritten by the next replay).
+
+        Raises:
+            ValueError / TypeError: ``prefetch`` given against how the graph was captured, an
+                input of another shape or dtype than the captured one (copying it in would
+                truncate float ids or round activations).
         """
         if (prefetch is None) != (self.prefetch is None):
             raise ValueError("pass prefetch exactly when the graph was captured with warmup_prefetch")
@@ -328,9 +346,21 @@ class GraphedDecodeStep:
                 raise ValueError(
                     f"{name} has shape {tuple(given.shape)}; the graph was captured with {tuple(captured.shape)}"
                 )
+            if given is not None and captured is not None and given.dtype != captured.dtype:
+                raise TypeError(f"{name} is {given.dtype}; the graph was captured with {captured.dtype}")
+        if self.stack.across_steps:  # an eager step before this replay may have left prefetches running
+            self._finish_prefetches()
         self.hidden.copy_(hidden)
         self.routing.copy_(routing)
         if self.prefetch is not None and prefetch is not None:  # both or neither (checked above)
             self.prefetch.copy_(prefetch)
         self.graph.replay()
         return self.output
+
+    def _finish_prefetches(self) -> None:
+        """Make the current stream wait for prefetch copies the caches still run (a no-op where
+        none does): a graph's calls wait only for the prefetches captured with them."""
+        for provider in self.stack.providers:
+            finish = getattr(provider, "finish_prefetch", None)
+            if finish is not None:
+                finish()

@@ -30,7 +30,9 @@ from expertcache.stats import CacheStats
 
 #: What the wrapper answers as its provider does (and only where the provider has it), so a
 #: `DecodeStack` prefetches into, and checks the router width of, a timed cache as a bare one.
-FORWARDED = ("mode", "num_experts", "num_global_experts", "prefetch", "check_prefetch", "prefetch_stats")
+FORWARDED = (
+    "mode", "num_experts", "num_global_experts", "prefetch", "check_prefetch", "finish_prefetch", "prefetch_stats",
+)  # fmt: skip
 
 #: Upper bounds (seconds) of the prepare-time histogram buckets.
 PREPARE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
