@@ -12,12 +12,17 @@
 7. CUDA graphs over transformers' ``eager`` experts loop (a ``nonzero`` every layer, served
    or not) are refused by ``graphs=True`` and ``--graphs``, and ``"auto"`` runs eagerly (it
    used to pick graphs and fail at capture).
+8. A served expert parameter changed without ``load_state_dict`` (``param.data = w``, a new
+   Parameter, a placeholder-shaped one as accelerate's ``set_module_tensor_to_device``
+   installs) is refused at the next forward before the cache runs (the new weights were
+   ignored without a word); put back, the model computes as before.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from transformers_helpers import TINY, logits_of, prompt, tiny_model
 
 from expertcache.cli import main
@@ -177,3 +182,39 @@ def test_generate_help_says_the_cache_size_is_required(capsys):
     engine = argparse.ArgumentParser()
     add_cache_arguments(engine)
     assert "omit to keep every expert on the GPU" in " ".join(engine.format_help().split())
+
+
+# -- 8. served parameters changed behind the cache's back --------------------------------------
+
+
+def _refill(module, name, full):
+    getattr(module, name).data = full  # the Parameter object stays, its data is the weights
+
+
+def _new_parameter(module, name, full):
+    setattr(module, name, nn.Parameter(full, requires_grad=False))
+
+
+def _placeholder_shaped(module, name, full):
+    module._parameters[name] = nn.Parameter(torch.empty(0, dtype=full.dtype), requires_grad=False)
+
+
+@pytest.mark.parametrize("change", [_refill, _new_parameter, _placeholder_shaped])
+def test_a_served_parameter_changed_without_load_state_dict_is_refused(change):
+    model = tiny_model("qwen3_moe")
+    tokens = prompt(12)
+    reference = logits_of(model, tokens)
+    experts = next(module for name, module in model.named_modules() if name.endswith("mlp.experts"))
+    full = experts.gate_up_proj.detach().clone()
+    handle = enable_expert_cache(model, cache_size=4)
+    placeholder = experts.gate_up_proj
+    change(experts, "gate_up_proj", full)
+    with pytest.raises(RuntimeError, match=r"gate_up_proj was replaced or refilled.*disable\(\)"):
+        logits_of(model, tokens)
+    assert handle.stats.total.calls == 0  # refused before the cache ran
+    experts._parameters["gate_up_proj"] = placeholder  # the change undone: served again
+    placeholder.data = torch.empty(0, dtype=full.dtype)
+    assert torch.allclose(logits_of(model, tokens), reference, rtol=1e-5, atol=1e-5)
+    assert handle.stats.total.calls == TINY.num_moe_layers
+    handle.disable()
+    assert torch.equal(experts.gate_up_proj, full)

@@ -32,8 +32,10 @@ which implementation: its forward says to choose one (``set_experts_implementati
 A forward pre-hook on each served module keeps two promises at every call: an
 implementation chosen with ``model.set_experts_implementation(...)`` while served is
 followed (the cache keeps serving, now wrapping that one; ``disable()`` leaves it
-selected), and a dtype change of the model (``model.to(torch.bfloat16)``), which the
-cached experts do not follow, is refused with an error saying what to do. A `SaveGuard`
+selected), and a change of a served parameter that the cached experts do not follow is
+refused with an error saying what to do: a dtype change of the model
+(``model.to(torch.bfloat16)``), or new weights put in without ``load_state_dict`` (which
+`model_guards` refuses at the call), e.g. ``param.data = w`` (`check_placeholders`). A `SaveGuard`
 refuses ``state_dict()``, ``copy.deepcopy`` and pickling of a served module (`save_guard`).
 """
 
@@ -50,6 +52,7 @@ from expertcache.cached_provider import CachedWeightProvider
 from expertcache.integrations.transformers.inference_only import without_backward
 from expertcache.integrations.transformers.pass_runs import run_call
 from expertcache.integrations.transformers.save_guard import SaveGuard
+from expertcache.integrations.transformers.serving import SavedParameter
 from expertcache.trace.recorder import RoutingRecorder
 
 #: The name under which the cache is registered in transformers' experts registry.
@@ -89,7 +92,9 @@ class Binding:
         config: the block's config (the served model's copy), where the choice of
             implementation is read and written (None: ``inner`` is fixed).
         implementation: the registry name ``inner`` was resolved from.
-        dtypes: parameter name -> dtype of the cached experts (checked at every call).
+        placeholders: parameter name -> the module's `SavedParameter` (the Parameter object
+            that holds an empty placeholder while served, and the cached experts' dtype),
+            checked at every call (`check_placeholders`).
         hook: the handle of the module's forward pre-hook (removed by `unbind`).
         guard: the handle of its `save_guard.SaveGuard` (removed by `unbind`).
     """
@@ -101,7 +106,7 @@ class Binding:
     recorder: RoutingRecorder | None = None
     config: object = None
     implementation: str = "eager"
-    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    placeholders: dict[str, SavedParameter] = field(default_factory=dict)
     hook: object = None
     guard: object = None
 
@@ -211,14 +216,34 @@ def _before_forward(module: nn.Module, args: tuple) -> None:
             binding.implementation = name
         if stands_for(config) != name:
             name_served(config, name)
-    for parameter_name, dtype in binding.dtypes.items():
-        now = getattr(module, parameter_name).dtype
-        if now != dtype:
+    check_placeholders(module, binding.placeholders)
+
+
+def check_placeholders(module: nn.Module, placeholders: dict[str, SavedParameter]) -> None:
+    """Raise RuntimeError when a served parameter was changed behind the cache's back.
+
+    The cache serves the experts it took at enabling; the module keeps an empty placeholder
+    in the same Parameter object. A load that bypasses ``load_state_dict`` (``param.data =
+    w``, assigning a new Parameter, accelerate's ``set_module_tensor_to_device``) would
+    otherwise be ignored without a word, and a cast (``model.to(torch.bfloat16)``) would
+    mix dtypes. Every call checks, before anything is copied, that each parameter is still
+    its placeholder: the same object, empty, in the cached dtype.
+    """
+    for parameter_name, saved in placeholders.items():
+        now = getattr(module, parameter_name)
+        if now is not saved.parameter or now.numel() != 0:
             raise RuntimeError(
-                f"{type(module).__name__}.{parameter_name} was cast from {dtype} to {now} (model.to, .half(), "
-                f".bfloat16()) after the expert cache was enabled, but the cache holds the experts in {dtype}: "
-                f"the outputs would differ. Call disable() on the ExpertCacheHandle (it puts the experts back "
-                f"in {now}), then enable_expert_cache again"
+                f"{type(module).__name__}.{parameter_name} was replaced or refilled (param.data = ..., a new "
+                f"Parameter, set_module_tensor_to_device) after the expert cache was enabled, but the cache serves "
+                f"the experts it took then: the new weights would be ignored. Call disable() on the "
+                f"ExpertCacheHandle, set the weights, then enable_expert_cache again; nothing was computed"
+            )
+        if now.dtype != saved.dtype:
+            raise RuntimeError(
+                f"{type(module).__name__}.{parameter_name} was cast from {saved.dtype} to {now.dtype} (model.to, "
+                f".half(), .bfloat16()) after the expert cache was enabled, but the cache holds the experts in "
+                f"{saved.dtype}: the outputs would differ. Call disable() on the ExpertCacheHandle (it puts the "
+                f"experts back in {now.dtype}), then enable_expert_cache again"
             )
 
 

@@ -269,8 +269,7 @@ def _previous_implementation(model: nn.Module, block: ExpertBlock) -> tuple[str,
 def _binding(item: ServedBlock, inner, recorder, config: object, implementation: str) -> dispatch.Binding:
     block = item.block
     parameter_of = {block.cache_name(name): name for name in block.parameter_names}
-    dtypes = {name: saved.dtype for name, saved in item.saved.items()}
     return dispatch.Binding(
         item.provider, inner, parameter_of, block.layer, recorder,
-        config=config, implementation=implementation, dtypes=dtypes,
+        config=config, implementation=implementation, placeholders=dict(item.saved),
     )  # fmt: skip
