@@ -303,6 +303,50 @@ def test_mxfp4_gpt_oss_is_served_packed(mxfp4_checkpoint, implementation, budget
     handle.disable()
 
 
+def test_generate_serves_an_mxfp4_checkpoint_packed(mxfp4_checkpoint, monkeypatch, capsys):
+    """``expertcache generate`` on a GPT-OSS MXFP4 checkpoint: loaded as transformers loads it
+    offline (dequantized; without this it needed accelerate and then the hub's kernels), its
+    experts put back packed, the tokens those of transformers' dequantized model."""
+    import expertcache.integrations.transformers as integration
+    from expertcache.cli import main
+
+    handles = []
+    enable = integration.enable_expert_cache
+    monkeypatch.setattr(
+        integration, "enable_expert_cache", lambda *a, **kw: handles.append(enable(*a, **kw)) or handles[-1]
+    )
+    tokens = prompt(8)
+    reference = greedy_generate(_load(mxfp4_checkpoint), tokens, 4)
+    ids = " ".join(map(str, tokens[0].tolist()))
+    argv = ["generate", "--model", str(mxfp4_checkpoint), "--moe-expert-cache-size", "2", "--prompt", ids,
+            "--max-new-tokens", "4", "--device", "cpu", "--experts-implementation", "eager", "--compare"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"experts: MXFP4 blocks and scales of {SIZES.num_moe_layers} MoE layers, served packed" in out
+    assert f"output token ids: {reference.tokens[0, tokens.shape[1] :].tolist()}" in out
+    assert "without the cache: identical tokens" in out
+    packed = _load(mxfp4_checkpoint)
+    load_mxfp4_experts(packed, mxfp4_checkpoint)
+    assert handles[0].expert_bytes == _packed_bytes(packed)  # served as the checkpoint's bytes, not dequantized
+
+
+def test_generate_refuses_an_mxfp4_checkpoint_missing_a_tensor_in_one_line(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from expertcache.cli import main
+
+    write_mxfp4_checkpoint(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state[next(key for key in state if key.endswith("experts.down_proj_blocks"))]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()  # what writing the checkpoint printed
+    argv = ["generate", "--model", str(tmp_path), "--moe-expert-cache-size", "2", "--device", "cpu"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err and len(captured.err.splitlines()) == 1
+    assert captured.err.startswith(f"expertcache generate: error: --model {tmp_path}: cannot load the weights")
+
+
 def test_quantize_experts_writes_the_checkpoints_format():
     """MXFP4 in place = the blocks and scales of a checkpoint written from the same weights;
     FP8 per tensor keeps gate and up scales apart ([E, 2, 1]) as transformers does."""

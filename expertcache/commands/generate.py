@@ -8,7 +8,7 @@ the cache size against them, ``--experts-implementation``, the pin budget and th
 compression against the experts' bytes and dtype (on that copy, when its experts are those
 that load: not a quantized checkpoint), the prompt against the tokenizer or the vocabulary
 and, with ``--max-new-tokens``, against the model's positions. Each failure is one line,
-exit status 2.
+exit status 2. A GPT-OSS MXFP4 checkpoint is served packed (`generate_run`).
 
 This module owns the flags (`register`) and the order of the work (`run`); the checks and
 what they read are `expertcache.commands.generate_checks`, the load and the generation
@@ -30,6 +30,7 @@ from expertcache.commands.generate_checks import (
     check_serving,
     load_tokenizer,
     prompt_ids,
+    quantization_method,
     read_model_config,
 )
 from expertcache.commands.generate_run import load_and_generate
@@ -121,4 +122,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     input_ids = prompt_ids(args.prompt, tokenizer, model_config, parser).to(device)
     check_sequence_length(model_config, input_ids.shape[1], args.max_new_tokens, "--max-new-tokens")
     config = dataclasses.replace(config, device=str(device))
-    return load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch)
+    mxfp4 = quantization_method(model_config) == "mxfp4"
+    return load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch, mxfp4=mxfp4)

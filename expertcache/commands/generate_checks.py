@@ -165,3 +165,13 @@ def prompt_ids(prompt, tokenizer, model_config, parser):
     if not ids or not all(0 <= i < vocab for i in ids):
         parser.error(f"--prompt token ids must be in [0, {vocab}) and not empty, got {text!r}")
     return torch.tensor([ids])
+
+
+def quantization_method(model_config) -> str | None:
+    """The checkpoint's ``quantization_config.quant_method`` (``"mxfp4"``, ``"fp8"``, ...), or None."""
+    quantization = getattr(model_config, "quantization_config", None)
+    if isinstance(quantization, dict):
+        method = quantization.get("quant_method")
+    else:
+        method = getattr(quantization, "quant_method", None)
+    return None if method is None else str(getattr(method, "value", method))

@@ -2,7 +2,10 @@
 
 `load_and_generate` loads the checkpoint's weights (transformers' load output held back
 until the load is accepted: `expertcache.commands.load_output`), refuses one that leaves
-parameters without weights, enables the expert cache (recording the routing with
+parameters without weights, keeps an MXFP4 checkpoint's experts packed (transformers loads
+GPT-OSS dequantized where its hub kernels are not at hand, which is everywhere offline;
+`load_mxfp4_experts` then puts the checkpoint's blocks and scales back, 4x fewer bytes a
+miss than bf16), enables the expert cache (recording the routing with
 ``--save-trace``), generates greedily through it (through CUDA graphs with ``--graphs``),
 prints the output and the cache's figures and, with ``--compare``, generates again with
 every expert resident and says whether the tokens match. What cannot load or run is a
@@ -18,7 +21,7 @@ from typing import Any
 from expertcache.commands.load_output import held_load_output
 
 
-def load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch) -> int:
+def load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch, *, mxfp4: bool = False) -> int:
     """Load ``args.model``, serve its experts through the cache and generate from ``input_ids``.
 
     Args:
@@ -30,6 +33,7 @@ def load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch)
         input_ids: the prompt, ``[1, T]`` int64 on ``device``.
         device: the torch device the model runs on.
         torch: the torch module (imported by the caller).
+        mxfp4: the checkpoint's experts are MXFP4 (``quantization_config.quant_method``).
 
     Returns:
         The exit status: 0, or 1 when ``--compare`` finds different tokens.
@@ -41,7 +45,7 @@ def load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch)
     from expertcache.integrations.transformers import enable_expert_cache
     from expertcache.trace import RoutingRecorder
 
-    model = _load_weights(args.model)
+    model = _load_weights(args.model, mxfp4=mxfp4)
     model.eval()
     recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
     if args.experts_implementation is not None:
@@ -85,11 +89,17 @@ def load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch)
     return _compare_without_cache(model, input_ids, args.max_new_tokens, run.tokens, stats.misses, torch)
 
 
-def _load_weights(path: Path):
+def _load_weights(path: Path, *, mxfp4: bool):
     """The checkpoint's model with its weights, refused (ValueError, one line) when it cannot
-    load or leaves parameters without weights."""
+    load or leaves parameters without weights; with ``mxfp4``, its experts packed."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import Mxfp4Config
+
+    from expertcache.integrations.transformers import load_mxfp4_experts
+
+    # MXFP4: dequantized by transformers (the hub's kernels are not needed), then packed again below
+    quantization = {"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}
 
     # what transformers prints while loading (its load report, warnings) is held back: a refused load
     # prints one line, ours (with the report's rows when transformers raised); an accepted one shows
@@ -97,7 +107,9 @@ def _load_weights(path: Path):
     with held_load_output(progress=sys.stderr.isatty()) as held:
         try:
             # output_loading_info: (model, what was missing...), which transformers' overloads do not type
-            loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype="auto", output_loading_info=True)
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                path, dtype="auto", output_loading_info=True, **quantization
+            )
         # a corrupt checkpoint; ImportError: a quantization whose package is missing (mxfp4 needs accelerate)
         except (OSError, ValueError, RuntimeError, KeyError, ImportError, SafetensorError) as error:
             report = held.summary()
@@ -108,6 +120,9 @@ def _load_weights(path: Path):
     model, loading = loaded
     _check_nothing_missing(path, loading["missing_keys"])
     held.show()
+    if mxfp4:
+        modules = load_mxfp4_experts(model, path)
+        print(f"experts: MXFP4 blocks and scales of {len(modules)} MoE layers, served packed")
     return model
 
 
