@@ -324,9 +324,12 @@ class Measured:
     first_stats: CacheStats | None = None  # over ``first``
 
     @property
-    def step_seconds(self) -> float:
-        """Wall time of one decode step (``B`` tokens), prefill excluded."""
-        return (self.run.seconds - self.first.seconds) / max(1, self.run.new_tokens - 1)
+    def step_seconds(self) -> float | None:
+        """Wall time of one decode step (``B`` tokens), prefill excluded; None when the
+        difference is not positive (the call's noise exceeds its decode time: a tiny model
+        on a CPU), so that no negative speed or ratio is printed."""
+        step = (self.run.seconds - self.first.seconds) / max(1, self.run.new_tokens - 1)
+        return step if step > 0 else None
 
     @property
     def step_bytes(self) -> float | None:
@@ -388,11 +391,12 @@ def _row(bench: Bench, variant: str, measured, *, handle=None, budget="", slots=
         reference = reference[:, : run.tokens.shape[1]]  # accelerate makes fewer tokens
     same = "n/a" if reference is None else bool(torch.equal(run.tokens, reference))
     stats = None if handle is None or ttft else measured.stats
+    step = None if ttft else measured.step_seconds  # None: not resolved (see Measured.step_seconds)
     step_bytes = None if ttft else measured.step_bytes
     row = {
         "variant": variant, "budget": budget, "slots": slots,
         "tok_per_s": "" if ttft else round(run.tokens_per_second, 2),
-        "decode_tok_per_s": "" if ttft else round(bench.prompt.shape[0] / measured.step_seconds, 2),
+        "decode_tok_per_s": "" if step is None else round(bench.prompt.shape[0] / step, 2),
         "x_resident": "", "x_bound": "",  # filled in by _ratios
         "ttft_s": round(run.seconds, 4) if ttft else "",
         "same_tokens": same,  # n/a: no resident run of this phase in this process
@@ -402,7 +406,7 @@ def _row(bench: Bench, variant: str, measured, *, handle=None, budget="", slots=
         "expert_mb_gpu": round((bench.expert_bytes if handle is None else handle.slot_bytes) / 1e6, 1),
         "peak_mb": "" if run.peak_bytes is None else round(run.peak_bytes / 1e6, 1),
     }  # fmt: skip
-    row["_step_s"] = None if ttft else measured.step_seconds
+    row["_step_s"] = step
     row["_step_bytes"] = step_bytes
     print(
         f"  {' '.join(map(str, (variant, budget, slots))).strip()}: "
@@ -420,7 +424,7 @@ def _ratios(rows: list[dict], copy_gbps: float) -> None:
                 if row["variant"] in ("resident-eager", "resident-graphed")}  # fmt: skip
     for row in rows:
         kind = row["variant"].split("-")[-1]
-        if row["_step_s"] is None or kind not in resident:
+        if row["_step_s"] is None or resident.get(kind) is None:
             continue
         row["x_resident"] = round(row["_step_s"] / resident[kind], 3)
         if row["_step_bytes"] is not None:

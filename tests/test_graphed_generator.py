@@ -463,3 +463,21 @@ def test_bench_generate_times_both_calls_from_the_same_cache_state():
     assert states[1][1] == states[2][1] != states[0][1]  # after the warm-up; the empty cache differs
     assert measured.step_bytes is not None and measured.step_bytes >= 0
     handle.disable()
+
+
+def test_bench_generate_prints_no_speed_from_a_negative_difference():
+    """A tiny model on a CPU: the N-token call can take less time than the one-token call
+    (noise); the step is then unresolved, not a negative speed or ratio."""
+    bench_generate = bench_module("bench_generate")
+    from expertcache.integrations.transformers.generation import GenerationRun
+
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    faster = bench_generate.Measured(GenerationRun(tokens, 12, 0.010, None), GenerationRun(tokens, 1, 0.012, None))
+    slower = bench_generate.Measured(GenerationRun(tokens, 12, 0.023, None), GenerationRun(tokens, 1, 0.012, None))
+    assert faster.step_seconds is None and slower.step_seconds == pytest.approx(0.001)
+    rows = [
+        {"variant": "resident-eager", "_step_s": None, "_step_bytes": None, "x_resident": "", "x_bound": ""},
+        {"variant": "cache-eager", "_step_s": 0.002, "_step_bytes": 1e6, "x_resident": "", "x_bound": ""},
+    ]
+    bench_generate._ratios(rows, copy_gbps=50.0)
+    assert rows[1]["x_resident"] == "" and rows[1]["x_bound"] == ""  # no resident step to divide by

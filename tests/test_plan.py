@@ -85,6 +85,22 @@ def test_cli_prints_table_recommendation_csv_and_plot(tmp_path, capsys):
     assert {row["scope"] for row in rows} == {"layer", "global"}
 
 
+
+def test_table_figures_wider_than_their_columns_stay_apart(tmp_path, capsys):
+    """Tiny experts at a high bandwidth: tok/s has more digits than its column, and the
+    figures are still separated (they ran together: '0.00015337299.0')."""
+    _trace().save(tmp_path / "trace.npz")
+    args = ["plan", "--trace", str(tmp_path / "trace.npz"), "--expert-bytes", "1", "--gpu-budget", "6e-9"]
+    assert main([*args, "--bandwidth", "1000", "--no-progress", "--policies", "lru"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(index for index, line in enumerate(lines) if line.startswith("pool"))
+    rows = [line for line in lines[header + 2 :] if line.startswith(("layer", "global"))]
+    assert rows
+    for row in rows:  # pool, slots, %exp, lru, belady, unbnd, best, miss/tok, GB/tok, tok/s
+        fields = row.replace("*", " ").split()
+        assert len(fields) == 10, row
+        assert float(fields[-1]) >= 1e7, row  # wider than the column of 8
+
 def test_cli_reads_expert_bytes_from_a_manifest(tmp_path, capsys):
     weights = random_weights(8, 16, 8)
     provider = CachedWeightProvider(weights, cache_size=2, device="cpu")

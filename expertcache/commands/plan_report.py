@@ -37,7 +37,7 @@ def format_table(result: Plan, policies: list[str]) -> str:
     header = (
         f"{'pool':<7}{'slots':>6}{'%exp':>6} "
         + "".join(f"{name:>12}" for name in policies)
-        + f"{'belady':>9}{'unbnd':>7}  {'best':<11}{'miss/tok':>9}{'GB/tok':>8}{'tok/s':>9}"
+        + f"{'belady':>9}{'unbnd':>7}  {'best':<11}{'miss/tok':>9} {'GB/tok':>8} {'tok/s':>8}"
     )
     lines = ["hit rate (%) by policy; costs of the best runtime policy", header, "-" * len(header)]
     keys = dict.fromkeys((row.scope, row.slots) for row in result.rows)
@@ -50,8 +50,9 @@ def format_table(result: Plan, policies: list[str]) -> str:
             f"{scope:<7}{slots:>6}{best.fraction * 100:>5.0f}{marker}"
             + "".join(f"{cells[name].hit_rate * 100:>12.1f}" for name in policies)
             + f"{cells['belady'].hit_rate * 100:>9.1f}{cells['unbounded'].hit_rate * 100:>7.1f}  "
-            f"{best.policy:<11}{best.misses_per_token:>9.2f}{best.gb_per_token:>8.3f}"
-            + (f"{best.tokens_per_second:>9.1f}" if best.tokens_per_second is not None else f"{'-':>9}")
+            f"{best.policy:<11}{best.misses_per_token:>9.2f} {best.gb_per_token:>8.3f} "
+            # a space before each figure: one wider than its column (tiny experts) never runs into the next
+            + (f"{best.tokens_per_second:>8.1f}" if best.tokens_per_second is not None else f"{'-':>8}")
         )
     lines.append("* = the GPU budget's size")
     return "\n".join(lines)
