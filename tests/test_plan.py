@@ -85,7 +85,6 @@ def test_cli_prints_table_recommendation_csv_and_plot(tmp_path, capsys):
     assert {row["scope"] for row in rows} == {"layer", "global"}
 
 
-
 def test_table_figures_wider_than_their_columns_stay_apart(tmp_path, capsys):
     """Tiny experts at a high bandwidth: tok/s has more digits than its column, and the
     figures are still separated (they ran together: '0.00015337299.0')."""
@@ -100,6 +99,7 @@ def test_table_figures_wider_than_their_columns_stay_apart(tmp_path, capsys):
         fields = row.replace("*", " ").split()
         assert len(fields) == 10, row
         assert float(fields[-1]) >= 1e7, row  # wider than the column of 8
+
 
 def test_cli_reads_expert_bytes_from_a_manifest(tmp_path, capsys):
     weights = random_weights(8, 16, 8)

@@ -6,9 +6,10 @@ none of the checkpoint's files), the directory (``config.json`` that is JSON, we
 files), the model's MoE layers (on a weightless meta-device copy of the architecture) and
 the cache size against them, ``--experts-implementation``, the pin budget and the
 compression against the experts' bytes and dtype (on that copy, when its experts are those
-that load: not a quantized checkpoint), the prompt against the tokenizer or the vocabulary
-and, with ``--max-new-tokens``, against the model's positions. Each failure is one line,
-exit status 2. A GPT-OSS MXFP4 checkpoint is served packed (`generate_run`).
+that load: not a quantized checkpoint, but a GPT-OSS MXFP4 one, whose packed experts the
+copy is given from the safetensors headers), the prompt against the tokenizer or the
+vocabulary and, with ``--max-new-tokens``, against the model's positions. Each failure is
+one line, exit status 2. A GPT-OSS MXFP4 checkpoint is served packed (`generate_run`).
 
 This module owns the flags (`register`) and the order of the work (`run`); the checks and
 what they read are `expertcache.commands.generate_checks`, the load and the generation
@@ -29,6 +30,7 @@ from expertcache.commands.generate_checks import (
     check_graphs,
     check_serving,
     load_tokenizer,
+    mxfp4_blocks,
     prompt_ids,
     quantization_method,
     read_model_config,
@@ -117,10 +119,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     if args.graphs:
         check_graphs(args, config, device, parser)
-    check_serving(skeleton, blocks, config, args.experts_implementation, parser)
+    mxfp4 = quantization_method(model_config) == "mxfp4"
+    # MXFP4: the checks run on the packed experts that will be served, before the checkpoint loads
+    served, exact = mxfp4_blocks(args.model, skeleton) if mxfp4 else (blocks, False)
+    check_serving(skeleton, served, config, args.experts_implementation, parser, exact=exact)
     tokenizer = load_tokenizer(args.model)
     input_ids = prompt_ids(args.prompt, tokenizer, model_config, parser).to(device)
     check_sequence_length(model_config, input_ids.shape[1], args.max_new_tokens, "--max-new-tokens")
     config = dataclasses.replace(config, device=str(device))
-    mxfp4 = quantization_method(model_config) == "mxfp4"
     return load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch, mxfp4=mxfp4)

@@ -5,8 +5,9 @@ its config and a weightless meta-device copy of the architecture (`read_model_co
 `build_skeleton`), on which the caller checks the MoE layers and the cache size; what
 ``--graphs`` needs (`check_graphs`); ``--experts-implementation``, the pin budget and the
 compression against the experts' bytes and dtype (on that copy, when its experts are those
-that load: not a quantized checkpoint: `check_serving`); the prompt against the tokenizer or
-the vocabulary (`load_tokenizer`, `prompt_ids`). A failure ends the command through
+that load: not a quantized checkpoint but MXFP4, whose experts `mxfp4_blocks` puts on the copy
+from the safetensors headers: `check_serving`); the prompt against the tokenizer or the
+vocabulary (`load_tokenizer`, `prompt_ids`). A failure ends the command through
 ``parser.error`` (one line, exit status 2) or raises ValueError for the command to report.
 """
 
@@ -39,9 +40,15 @@ def check_graphs(args, config, device, parser: argparse.ArgumentParser) -> None:
         parser.error("--graphs cannot record a routing trace (the recorder copies ids to the host every layer)")
 
 
-def check_serving(skeleton, blocks, config, implementation, parser: argparse.ArgumentParser) -> None:
-    """What would be refused once the weights are in, checked on the meta-device copy."""
-    from expertcache.integrations.transformers.dispatch import IMPLEMENTATION_NAME
+def check_serving(
+    skeleton, blocks, config, implementation, parser: argparse.ArgumentParser, *, exact: bool = False
+) -> None:
+    """What would be refused once the weights are in, checked on the meta-device copy.
+
+    ``exact``: the copy's expert blocks are those that load, quantized or not (`mxfp4_blocks`);
+    otherwise a quantized config or one without a dtype skips the checks of their bytes.
+    """
+    from expertcache.integrations.transformers.dispatch import IMPLEMENTATION_NAME, resolve
     from expertcache.integrations.transformers.serving import check_pin_budget
     from expertcache.store import check_compression
 
@@ -53,9 +60,16 @@ def check_serving(skeleton, blocks, config, implementation, parser: argparse.Arg
     if implementation is not None:
         try:
             skeleton.set_experts_implementation(implementation)
-        except ValueError as error:  # transformers lists the names it accepts for this model
-            parser.error(f"--experts-implementation {implementation}: {error}")
-    if skeleton.config.dtype is None or getattr(skeleton.config, "quantization_config", None) is not None:
+            for block in blocks:  # a packed experts class has its own registry (Mxfp4Experts: no sonicmoe)
+                resolve(block.module, implementation)
+        # ValueError: transformers lists the names it accepts for this model; RuntimeError: a name it
+        # takes only at load (deepgemm_megamoe); KeyError: one the block's registry does not hold
+        except (ValueError, RuntimeError) as error:
+            parser.error(f"--experts-implementation {implementation}: {' '.join(str(error).split())}")
+        except KeyError as error:
+            parser.error(f"--experts-implementation {implementation}: {error.args[0]}")
+    quantized = getattr(skeleton.config, "quantization_config", None) is not None
+    if not exact and (skeleton.config.dtype is None or quantized):
         return  # its experts are not those that load (dtype="auto", quantized): enabling checks those
     layouts = [_layout(block) for block in blocks]
     try:
@@ -64,6 +78,14 @@ def check_serving(skeleton, blocks, config, implementation, parser: argparse.Arg
             check_compression(config.compression, layout)
     except ValueError as error:  # PinBudgetError is one
         parser.error(str(error))
+    if config.budget == "global":  # one pool of slots for every layer (`serving.shared_pool` refuses the same)
+        for block, layout in zip(blocks[1:], layouts[1:], strict=True):
+            if layout.specs != layouts[0].specs:
+                parser.error(
+                    f"--moe-expert-cache-budget global needs every MoE layer's experts to have the same shapes and "
+                    f"dtypes, but those of {block.name} differ from those of {blocks[0].name}; use "
+                    f"--moe-expert-cache-budget per-layer"
+                )
 
 
 def _layout(block):
@@ -76,6 +98,53 @@ def _layout(block):
     parameters = {block.cache_name(name): block.module.get_parameter(name) for name in block.parameter_names}
     stand_ins = {name: torch.empty((), dtype=p.dtype).expand(p.shape) for name, p in parameters.items()}
     return layout_from_weights(stand_ins)[1]
+
+
+def mxfp4_blocks(path: Path, skeleton):
+    """Put on the meta-device copy the `Mxfp4Experts` that `load_mxfp4_experts` will put in the
+    loaded model, from the shapes and dtypes in the checkpoint's safetensors headers (no tensor
+    is read), so that what it or the cache would refuse is refused before transformers loads
+    and dequantizes the whole checkpoint.
+
+    Returns:
+        ``(blocks, exact)``: the copy's expert blocks now, and whether every one of them is
+        packed (its stand-ins are then exactly what will be served: `check_serving`'s ``exact``).
+
+    Raises:
+        ValueError (``--model DIR: cannot load the weights (...)``, as a refused load): no
+            ``model.safetensors`` or index to read the experts from (the index not JSON, a shard
+            missing or not safetensors), an experts module missing one of its six MXFP4
+            tensors, blocks or scales not ``uint8`` or of the wrong shape, a dense
+            ``gate_up_proj`` / ``down_proj`` beside its blocks (transformers computes with the
+            dense one, the cache would serve the blocks), MXFP4 tensors for no module or for
+            experts that are not GPT-OSS's.
+    """
+    from safetensors import SafetensorError
+
+    from expertcache.integrations.transformers import find_expert_blocks, load_mxfp4_experts
+    from expertcache.integrations.transformers.packed_models import Mxfp4Experts, mxfp4_headers
+
+    def refused(reason: str) -> ValueError:
+        return ValueError(f"--model {path}: cannot load the weights ({reason})")
+
+    try:
+        stand_ins, keys = mxfp4_headers(path)
+    except (OSError, ValueError, SafetensorError) as error:
+        raise refused(str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}") from None
+    for key in sorted(keys):
+        for projection in ("gate_up_proj", "down_proj"):
+            if key.endswith(f".{projection}") and f"{key}_blocks" in keys:
+                raise refused(
+                    f"the checkpoint holds {key} beside its MXFP4 blocks ({key}_blocks): two weights for the same "
+                    f"experts (transformers computes with the dense one, the cache would serve the blocks); keep "
+                    f"one of them"
+                )
+    try:
+        load_mxfp4_experts(skeleton, stand_ins)
+    except (ValueError, TypeError) as error:
+        raise refused(str(error)) from None
+    blocks = find_expert_blocks(skeleton)
+    return blocks, all(isinstance(block.module, Mxfp4Experts) for block in blocks)
 
 
 def check_directory(path: Path, parser: argparse.ArgumentParser) -> None:

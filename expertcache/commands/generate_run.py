@@ -45,7 +45,7 @@ def load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch,
     from expertcache.integrations.transformers import enable_expert_cache
     from expertcache.trace import RoutingRecorder
 
-    model = _load_weights(args.model, mxfp4=mxfp4)
+    model, held, packed = _load_weights(args.model, mxfp4=mxfp4)
     model.eval()
     recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
     if args.experts_implementation is not None:
@@ -55,6 +55,10 @@ def load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch,
         model.set_experts_implementation("batched_mm")
     handle = enable_expert_cache(model, config, recorder=recorder)
     assert handle is not None  # config is not None
+    # accepted: what transformers printed loading, then our lines (a refusal above is one line)
+    held.show()
+    if packed:
+        print(f"experts: MXFP4 blocks and scales of {len(packed)} MoE layers, served packed")
     model.to(device)  # everything but the experts, which now live in the store and the slots
     experts = blocks[0].num_experts
     top_k = getattr(blocks[0].module.config, "num_experts_per_tok", "?")
@@ -91,7 +95,14 @@ def load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch,
 
 def _load_weights(path: Path, *, mxfp4: bool):
     """The checkpoint's model with its weights, refused (ValueError, one line) when it cannot
-    load or leaves parameters without weights; with ``mxfp4``, its experts packed."""
+    load or leaves parameters without weights; with ``mxfp4``, its experts packed.
+
+    Returns:
+        ``(model, held, packed)``: the model, what transformers printed while loading (held
+        back: the caller shows it once the cache accepts the model, so that a refusal until
+        then is one line) and the names of the experts modules now packed (``[]`` without
+        ``mxfp4``).
+    """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import Mxfp4Config
@@ -103,7 +114,8 @@ def _load_weights(path: Path, *, mxfp4: bool):
 
     # what transformers prints while loading (its load report, warnings) is held back: a refused load
     # prints one line, ours (with the report's rows when transformers raised); an accepted one shows
-    # it all now, as transformers would have. Its progress bar shows only on a terminal (see load_output).
+    # it all once the cache is enabled, as transformers would have. Its progress bar shows only on a
+    # terminal (see load_output).
     with held_load_output(progress=sys.stderr.isatty()) as held:
         try:
             # output_loading_info: (model, what was missing...), which transformers' overloads do not type
@@ -119,11 +131,7 @@ def _load_weights(path: Path, *, mxfp4: bool):
             ) from None
     model, loading = loaded
     _check_nothing_missing(path, loading["missing_keys"])
-    held.show()
-    if mxfp4:
-        modules = load_mxfp4_experts(model, path)
-        print(f"experts: MXFP4 blocks and scales of {len(modules)} MoE layers, served packed")
-    return model
+    return model, held, load_mxfp4_experts(model, path) if mxfp4 else []
 
 
 def _compare_without_cache(model, input_ids, max_new_tokens, cached_tokens, misses, torch) -> int:

@@ -52,7 +52,7 @@ def format_table(result: Plan, policies: list[str]) -> str:
             + f"{cells['belady'].hit_rate * 100:>9.1f}{cells['unbounded'].hit_rate * 100:>7.1f}  "
             f"{best.policy:<11}{best.misses_per_token:>9.2f} {best.gb_per_token:>8.3f} "
             # a space before each figure: one wider than its column (tiny experts) never runs into the next
-            + (f"{best.tokens_per_second:>8.1f}" if best.tokens_per_second is not None else f"{'-':>8}")
+             + (f"{best.tokens_per_second:>8.1f}" if best.tokens_per_second is not None else f"{'-':>8}")
         )
     lines.append("* = the GPU budget's size")
     return "\n".join(lines)

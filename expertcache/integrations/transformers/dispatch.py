@@ -60,6 +60,9 @@ IMPLEMENTATION_NAME = "expertcache"
 
 ExpertsFunction = Callable[..., torch.Tensor]
 
+#: What `check_placeholders` reads for a served parameter deleted from its module.
+_DELETED = object()
+
 
 #: id(config) -> the implementation a served config copy's ``"expertcache"`` stands for. An
 #: entry lives as long as its config object (a finalizer drops it), so a model built from
@@ -159,7 +162,7 @@ def resolve(module: nn.Module, name: str) -> ExpertsFunction:
     except KeyError:
         raise KeyError(
             f"experts implementation {name!r} is not registered for {type(module).__name__} "
-            f"(its registry holds {', '.join(sorted(map(str, interface)))})"
+            f"(its registry holds {', '.join(sorted({'eager', *map(str, interface)}))})"  # eager: its own forward
         ) from None
 
 
@@ -227,10 +230,25 @@ def check_placeholders(module: nn.Module, placeholders: dict[str, SavedParameter
     w``, assigning a new Parameter, accelerate's ``set_module_tensor_to_device``) would
     otherwise be ignored without a word, and a cast (``model.to(torch.bfloat16)``) would
     mix dtypes. Every call checks, before anything is copied, that each parameter is still
-    its placeholder: the same object, empty, in the cached dtype.
+    its placeholder: the same object, empty, in the cached dtype. A new empty Parameter is a
+    placeholder too (a conversion that makes new objects: ``model.to()`` under
+    ``torch.__future__.set_overwrite_module_params_on_conversion(True)``, accelerate's
+    ``set_module_tensor_to_device`` moving it): it is taken as the placeholder from then on, so
+    ``disable()`` puts the experts back into it (`serving.placeholder`). A parameter deleted since
+    (``del module.gate_up_proj``) is refused too, with this error (not the AttributeError its
+    read would raise inside the hook).
     """
     for parameter_name, saved in placeholders.items():
-        now = getattr(module, parameter_name)
+        now = getattr(module, parameter_name, _DELETED)
+        if now is _DELETED:
+            raise RuntimeError(
+                f"{type(module).__name__}.{parameter_name} was deleted (del, delattr) after the expert cache was "
+                f"enabled, but the cache serves it. Put back the Parameter that was deleted (module.register_"
+                f"parameter({parameter_name!r}, p): disable() writes the experts back into that object, not into "
+                f"a new one); nothing was computed"
+            )
+        if now is not saved.parameter and isinstance(now, nn.Parameter) and now.numel() == 0:
+            saved.parameter = now  # a conversion made a new empty placeholder: it stands for the experts now
         if now is not saved.parameter or now.numel() != 0:
             raise RuntimeError(
                 f"{type(module).__name__}.{parameter_name} was replaced or refilled (param.data = ..., a new "

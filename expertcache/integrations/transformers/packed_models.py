@@ -168,17 +168,63 @@ def _check_not_served(model: nn.Module, names, what: str) -> None:
                          f"(nothing was replaced)")  # fmt: skip
 
 
-def _safetensors_reader(directory: str | os.PathLike):
+def safetensors_files(directory: str | os.PathLike) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it: from ``model.safetensors.index.json``,
+    else ``model.safetensors`` (the two layouts transformers saves).
+
+    Raises:
+        ValueError: neither file is there, or the index is not JSON with a ``weight_map`` of
+            names to file names. OSError / safetensors' error: ``model.safetensors`` unreadable.
+    """
     from safetensors import safe_open
 
     index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as file:
-            file_of = {key: os.path.join(directory, name) for key, name in json.load(file)["weight_map"].items()}
-    else:
-        single = os.path.join(directory, "model.safetensors")
-        with safe_open(single, framework="pt") as handle:
-            file_of = {key: single for key in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(index):
+        try:
+            with open(index, "rb") as file:
+                weight_map = json.loads(file.read().decode("utf-8")).get("weight_map")
+        except (ValueError, RecursionError, AttributeError) as error:  # not UTF-8, not JSON, not an object
+            raise ValueError(f"model.safetensors.index.json is not a JSON object ({error})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise ValueError("model.safetensors.index.json has no weight_map of tensor names to file names")
+        return {key: os.path.join(directory, name) for key, name in weight_map.items()}
+    if not os.path.isfile(single):
+        raise ValueError("the directory has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, framework="pt") as handle:
+        return {key: single for key in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
+
+
+def mxfp4_headers(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """What `load_mxfp4_experts` would read from ``directory``, without reading it: a
+    meta-device tensor of each MXFP4 expert tensor's shape and dtype (from the safetensors
+    headers), and every name the checkpoint holds. ``load_mxfp4_experts(meta_model, headers)``
+    then checks a checkpoint before anything loads.
+
+    Raises:
+        As `safetensors_files`; OSError / safetensors' error: a shard missing or unreadable.
+    """
+    from safetensors import safe_open
+
+    files = safetensors_files(directory)
+    wanted: dict[str, list[str]] = {}
+    for key, file in files.items():
+        if key.rsplit(".", 1)[-1] in MXFP4_TENSORS:
+            wanted.setdefault(file, []).append(key)
+    headers = {}
+    for file, names in wanted.items():
+        with safe_open(file, framework="pt") as handle:
+            for key in names:
+                part = handle.get_slice(key)  # the header; [:0] reads no data and has the dtype
+                dtype = part[:0].dtype if part.get_shape() else handle.get_tensor(key).dtype
+                headers[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+    return headers, set(files)
+
+
+def _safetensors_reader(directory: str | os.PathLike):
+    from safetensors import safe_open
+
+    file_of = safetensors_files(directory)
 
     def read(key: str) -> torch.Tensor:
         with safe_open(file_of[key], framework="pt") as handle:

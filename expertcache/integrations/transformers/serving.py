@@ -41,6 +41,17 @@ class ServedBlock:
     saved: dict[str, SavedParameter] = field(default_factory=dict)
 
 
+def placeholder(item: ServedBlock, name: str) -> nn.Parameter:
+    """The Parameter standing for ``item.saved[name]`` in the model now: the module's own when
+    it is an empty placeholder (a conversion that makes new Parameter objects replaced the one
+    taken: ``model.to()`` under ``torch.__future__.set_overwrite_module_params_on_conversion
+    (True)``, accelerate's ``set_module_tensor_to_device``), else the one taken."""
+    owner, _, leaf = name.rpartition(".")
+    module = item.block.module.get_submodule(owner) if owner else item.block.module
+    now = module._parameters.get(leaf)
+    return now if isinstance(now, nn.Parameter) and now.numel() == 0 else item.saved[name].parameter
+
+
 def serve_blocks(blocks: list[ExpertBlock], config: ExpertCacheConfig, target: torch.device, pool) -> list[ServedBlock]:
     """Copy each block's experts into its provider and free them, one block at a time (the
     host never holds more than one extra block); on any failure put back what was taken."""
@@ -126,16 +137,18 @@ def restored_weights(item: ServedBlock, device: torch.device | None = None) -> d
     # would stop the model from ever taking gradients again, which it could before the cache
     with torch.inference_mode(False):
         for name, saved in item.saved.items():
-            target = saved.parameter.device if device is None else device
-            empty = torch.empty(saved.shape, dtype=saved.parameter.dtype, device=target)
+            now = placeholder(item, name)
+            target = now.device if device is None else device
+            empty = torch.empty(saved.shape, dtype=now.dtype, device=target)
             weights[name] = empty.copy_(stored[item.block.cache_name(name)])
     return weights
 
 
 def put_back(item: ServedBlock, weights: dict[str, torch.Tensor]) -> None:
-    """Make ``weights`` (from `restored_weights`) the data of the taken Parameter objects."""
-    for name, saved in item.saved.items():
-        saved.parameter.data = weights[name]
+    """Make ``weights`` (from `restored_weights`) the data of the placeholders (`placeholder`:
+    the taken Parameter objects, unless a conversion replaced them)."""
+    for name in item.saved:
+        placeholder(item, name).data = weights[name]
 
 
 def restore_block(item: ServedBlock, device: torch.device | None = None) -> None:
@@ -147,9 +160,10 @@ def bytes_needed(items: list[ServedBlock], device: torch.device | None = None) -
     """Bytes `restored_weights` allocates, per device."""
     needed: dict[torch.device, int] = {}
     for item in items:
-        for saved in item.saved.values():
-            target = saved.parameter.device if device is None else device
-            size = saved.shape.numel() * saved.parameter.element_size()
+        for name, saved in item.saved.items():
+            now = placeholder(item, name)
+            target = now.device if device is None else device
+            size = saved.shape.numel() * now.element_size()
             needed[target] = needed.get(target, 0) + size
     return needed
 
