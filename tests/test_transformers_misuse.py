@@ -196,14 +196,20 @@ def _new_parameter(module, name, full):
     setattr(module, name, nn.Parameter(full, requires_grad=False))
 
 
-@pytest.mark.parametrize("change", [_refill, _new_parameter])
-def test_a_served_parameter_changed_without_load_state_dict_is_refused(change):
+def _served():
+    """A served tiny model, its uncached logits, its first experts module and that module's
+    ``gate_up_proj`` weights (taken before serving)."""
     model = tiny_model("qwen3_moe")
     tokens = prompt(12)
     reference = logits_of(model, tokens)
     experts = next(module for name, module in model.named_modules() if name.endswith("mlp.experts"))
     full = experts.gate_up_proj.detach().clone()
-    handle = enable_expert_cache(model, cache_size=4)
+    return model, tokens, reference, experts, full, enable_expert_cache(model, cache_size=4)
+
+
+@pytest.mark.parametrize("change", [_refill, _new_parameter])
+def test_a_served_parameter_changed_without_load_state_dict_is_refused(change):
+    model, tokens, reference, experts, full, handle = _served()
     placeholder = experts.gate_up_proj
     change(experts, "gate_up_proj", full)
     with pytest.raises(RuntimeError, match=r"gate_up_proj was replaced or refilled.*disable\(\)"):
@@ -218,12 +224,7 @@ def test_a_served_parameter_changed_without_load_state_dict_is_refused(change):
 
 
 def test_a_new_empty_placeholder_is_served_and_disable_fills_it():
-    model = tiny_model("qwen3_moe")
-    tokens = prompt(12)
-    reference = logits_of(model, tokens)
-    experts = next(module for name, module in model.named_modules() if name.endswith("mlp.experts"))
-    full = experts.gate_up_proj.detach().clone()
-    handle = enable_expert_cache(model, cache_size=4)
+    model, tokens, reference, experts, full, handle = _served()
     new = nn.Parameter(torch.empty(0, dtype=full.dtype), requires_grad=False)
     experts._parameters["gate_up_proj"] = new  # as set_module_tensor_to_device(experts, "gate_up_proj", device)
     assert torch.allclose(logits_of(model, tokens), reference, rtol=1e-5, atol=1e-5)
