@@ -139,6 +139,10 @@ def _retype(key, dtype):
     return lambda tensors: tensors.__setitem__(LAYER0 + key, tensors[LAYER0 + key].to(dtype))
 
 
+def _cut(key):
+    return lambda tensors: tensors.__setitem__(LAYER0 + key, tensors[LAYER0 + key][:, :-2].contiguous())
+
+
 def _dense_beside_blocks(tensors):
     tensors[LAYER0 + "gate_up_proj"] = torch.zeros(SIZES.num_experts, SIZES.hidden, 2 * SIZES.intermediate)
 
@@ -172,6 +176,9 @@ REFUSED_BEFORE_LOADING = [
                  r"compression='exponent' codes bfloat16 or float16 experts.*uint8", id="exponent-on-uint8"),
     pytest.param({"state": _retype("gate_up_proj_scales", torch.float32)}, [], None,
                  r"--model .*: cannot load the weights \(MXFP4 gate_up_proj_scales must be uint8", id="scales-float32"),
+    pytest.param({"state": _cut("gate_up_proj_scales")}, [], None,
+                 r"cannot load the weights \(MXFP4 gate_up_proj_scales must be uint8 \[8, 64, 2\], got torch.uint8 "
+                 r"\[8, 62, 2\]", id="scales-short"),  # was: named gate_up_proj, whose shape is right
     pytest.param({"state": _retype("down_proj_blocks", torch.int8)}, [], None,
                  r"--model .*: cannot load the weights \(MXFP4 down_proj must be uint8", id="blocks-int8"),
     pytest.param({"state": _pop("down_proj_scales")}, [], None,

@@ -46,7 +46,8 @@ class Mxfp4Experts(nn.Module):
         shape = tensors["gate_up_proj_scales"].shape  # [E, 2I, G(H)]
         self.num_experts = int(shape[0])
         self.hidden_size = int(config.hidden_size)
-        self.intermediate_size = int(shape[1]) // 2
+        # the config's, where it has one: a tensor of the wrong shape is then the one named
+        self.intermediate_size = int(getattr(config, "intermediate_size", None) or int(shape[1]) // 2)
         self.alpha = 1.702
         self.limit = float(getattr(config, "swiglu_limit", 7.0))
         _check_mxfp4_shapes(self)
