@@ -230,10 +230,10 @@ def test_a_failed_disable_changes_nothing(failure, raised, message, monkeypatch)
     real = handle_module.restored_weights
     built: list = []
 
-    def fails_on_the_second_block(item, device=None):
+    def fails_on_the_second_block(item, device=None, targets=None):
         if built:
             raise failure
-        built.append(real(item, device))
+        built.append(real(item, device, targets))
         return built[-1]
 
     monkeypatch.setattr(handle_module, "restored_weights", fails_on_the_second_block)

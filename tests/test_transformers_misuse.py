@@ -212,7 +212,7 @@ def test_a_served_parameter_changed_without_load_state_dict_is_refused(change):
     model, tokens, reference, experts, full, handle = _served()
     placeholder = experts.gate_up_proj
     change(experts, "gate_up_proj", full)
-    with pytest.raises(RuntimeError, match=r"gate_up_proj was replaced or refilled.*disable\(\)"):
+    with pytest.raises(RuntimeError, match=r"gate_up_proj was replaced, refilled or tied.*disable\(\)"):
         logits_of(model, tokens)
     assert handle.stats.total.calls == 0  # refused before the cache ran
     experts._parameters["gate_up_proj"] = placeholder  # the change undone: served again
@@ -230,3 +230,31 @@ def test_a_new_empty_placeholder_is_served_and_disable_fills_it():
     assert torch.allclose(logits_of(model, tokens), reference, rtol=1e-5, atol=1e-5)
     handle.disable()
     assert experts.gate_up_proj is new and torch.equal(new, full)
+
+
+def test_a_tie_to_another_served_parameter_is_refused():
+    """Another layer's placeholder (or the module's other one) in a served parameter's place
+    is no placeholder of this one: served, it would compute with the other's experts."""
+    model, tokens, reference, experts, full, handle = _served()
+    layers = [module for name, module in model.named_modules() if name.endswith("mlp.experts")]
+    layers[1].gate_up_proj = layers[0].gate_up_proj
+    with pytest.raises(RuntimeError, match=r"gate_up_proj was replaced, refilled or tied"):
+        logits_of(model, tokens)
+    layers[1].gate_up_proj = layers[1].down_proj  # within one module
+    with pytest.raises(RuntimeError, match=r"gate_up_proj was replaced, refilled or tied"):
+        logits_of(model, tokens)
+    assert handle.stats.per_layer["model.layers.1.mlp.experts"].calls == 0  # refused before it ran
+    handle.disable()
+    assert torch.equal(layers[0].gate_up_proj, full)  # the first layer's own experts, where they were
+
+
+def test_disable_refuses_to_put_experts_on_the_meta_device():
+    model, tokens, reference, experts, full, handle = _served()
+    experts.to("meta")  # new empty Parameters on the meta device
+    for to in ("original", "cpu"):
+        with pytest.raises(ValueError, match=r"gate_up_proj is on the meta device.*to_empty.*nothing changed"):
+            handle.disable(to=to)
+    assert handle.enabled
+    experts.to_empty(device="cpu")  # empty placeholders on a real device again
+    handle.disable()
+    assert torch.equal(experts.gate_up_proj, full)

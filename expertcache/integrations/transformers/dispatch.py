@@ -52,17 +52,13 @@ from expertcache.cached_provider import CachedWeightProvider
 from expertcache.integrations.transformers.inference_only import without_backward
 from expertcache.integrations.transformers.pass_runs import run_call
 from expertcache.integrations.transformers.save_guard import SaveGuard
-from expertcache.integrations.transformers.serving import SavedParameter
+from expertcache.integrations.transformers.serving import SavedParameter, current_placeholder
 from expertcache.trace.recorder import RoutingRecorder
 
 #: The name under which the cache is registered in transformers' experts registry.
 IMPLEMENTATION_NAME = "expertcache"
 
 ExpertsFunction = Callable[..., torch.Tensor]
-
-#: What `check_placeholders` reads for a served parameter deleted from its module.
-_DELETED = object()
-
 
 #: id(config) -> the implementation a served config copy's ``"expertcache"`` stands for. An
 #: entry lives as long as its config object (a finalizer drops it), so a model built from
@@ -211,6 +207,7 @@ def _before_forward(module: nn.Module, args: tuple) -> None:
     binding = _BINDINGS.get(module)
     if binding is None:
         return
+    check_placeholders(module, binding.placeholders)  # first: a refusal changes nothing
     config = binding.config
     if config is not None:
         name = chosen_implementation(config, binding.implementation)
@@ -219,7 +216,11 @@ def _before_forward(module: nn.Module, args: tuple) -> None:
             binding.implementation = name
         if stands_for(config) != name:
             name_served(config, name)
-    check_placeholders(module, binding.placeholders)
+
+
+def served_parameter_ids() -> set[int]:
+    """``id`` of every served parameter's placeholder, in every served model."""
+    return {id(saved.parameter) for binding in list(_BINDINGS.values()) for saved in binding.placeholders.values()}
 
 
 def check_placeholders(module: nn.Module, placeholders: dict[str, SavedParameter]) -> None:
@@ -228,41 +229,43 @@ def check_placeholders(module: nn.Module, placeholders: dict[str, SavedParameter
     The cache serves the experts it took at enabling; the module keeps an empty placeholder
     in the same Parameter object. A load that bypasses ``load_state_dict`` (``param.data =
     w``, assigning a new Parameter, accelerate's ``set_module_tensor_to_device``) would
-    otherwise be ignored without a word, and a cast (``model.to(torch.bfloat16)``) would
-    mix dtypes. Every call checks, before anything is copied, that each parameter is still
-    its placeholder: the same object, empty, in the cached dtype. A new empty Parameter is a
-    placeholder too (a conversion that makes new objects: ``model.to()`` under
-    ``torch.__future__.set_overwrite_module_params_on_conversion(True)``, accelerate's
-    ``set_module_tensor_to_device`` moving it): it is taken as the placeholder from then on, so
-    ``disable()`` puts the experts back into it (`serving.placeholder`). A parameter deleted since
-    (``del module.gate_up_proj``) is refused too, with this error (not the AttributeError its
-    read would raise inside the hook).
+    otherwise be ignored without a word, a tie to another served parameter would serve one
+    layer's experts as another's, and a cast (``model.to(torch.bfloat16)``) would mix dtypes.
+    Every call checks, before anything is copied, that each parameter is its placeholder
+    (`serving.current_placeholder`: the same object, or a new empty one a conversion put in
+    its place, which then stands for the experts and which ``disable()`` fills), empty, in
+    the cached dtype. A refusal changes nothing.
     """
+    adopted: list[tuple[SavedParameter, nn.Parameter]] = []
     for parameter_name, saved in placeholders.items():
-        now = getattr(module, parameter_name, _DELETED)
-        if now is _DELETED:
+        now = saved.parameter if module._parameters.get(parameter_name) is saved.parameter else None
+        if now is None:  # a conversion's new empty placeholder, or None
+            now = current_placeholder(module, parameter_name, saved, served_parameter_ids())
+        where = f"{type(module).__name__}.{parameter_name}"
+        if parameter_name not in module._parameters and not hasattr(module, parameter_name):
             raise RuntimeError(
-                f"{type(module).__name__}.{parameter_name} was deleted (del, delattr) after the expert cache was "
-                f"enabled, but the cache serves it. Put back the Parameter that was deleted (module.register_"
-                f"parameter({parameter_name!r}, p): disable() writes the experts back into that object, not into "
-                f"a new one); nothing was computed"
+                f"{where} was deleted (del, delattr) after the expert cache was enabled, but the cache serves it: "
+                f"register a Parameter there again (the one deleted, or an empty one of its dtype, which disable() "
+                f"fills); nothing was computed"
             )
-        if now is not saved.parameter and isinstance(now, nn.Parameter) and now.numel() == 0:
-            saved.parameter = now  # a conversion made a new empty placeholder: it stands for the experts now
-        if now is not saved.parameter or now.numel() != 0:
+        if now is None or now.numel() != 0:
             raise RuntimeError(
-                f"{type(module).__name__}.{parameter_name} was replaced or refilled (param.data = ..., a new "
-                f"Parameter, set_module_tensor_to_device) after the expert cache was enabled, but the cache serves "
-                f"the experts it took then: the new weights would be ignored. Call disable() on the "
-                f"ExpertCacheHandle, set the weights, then enable_expert_cache again; nothing was computed"
+                f"{where} was replaced, refilled or tied (param.data = ..., a new Parameter, "
+                f"set_module_tensor_to_device, another served parameter) after the expert cache was enabled, but "
+                f"the cache serves the experts it took then: the new weights would be ignored. Call disable() on "
+                f"the ExpertCacheHandle, set the weights, then enable_expert_cache again; nothing was computed"
             )
         if now.dtype != saved.dtype:
             raise RuntimeError(
-                f"{type(module).__name__}.{parameter_name} was cast from {saved.dtype} to {now.dtype} (model.to, "
-                f".half(), .bfloat16()) after the expert cache was enabled, but the cache holds the experts in "
-                f"{saved.dtype}: the outputs would differ. Call disable() on the ExpertCacheHandle (it puts the "
-                f"experts back in {now.dtype}), then enable_expert_cache again"
+                f"{where} was cast from {saved.dtype} to {now.dtype} (model.to, .half(), .bfloat16()) after the "
+                f"expert cache was enabled, but the cache holds the experts in {saved.dtype}: the outputs would "
+                f"differ. Call disable() on the ExpertCacheHandle (it puts the experts back in {now.dtype}), then "
+                f"enable_expert_cache again"
             )
+        if now is not saved.parameter:
+            adopted.append((saved, now))
+    for saved, now in adopted:  # every check passed: the new placeholders stand for the experts
+        saved.parameter = now
 
 
 @torch.compiler.disable

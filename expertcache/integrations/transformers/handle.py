@@ -29,6 +29,7 @@ from expertcache.integrations.transformers.serving import (
     bytes_needed,
     free_bytes,
     put_back,
+    restore_targets,
     restored_weights,
 )
 from expertcache.stats import CacheStats
@@ -128,8 +129,9 @@ class ExpertCacheHandle:
     def disable(self, to: str = "original") -> None:
         """Put the expert weights back into the model and stop serving it, all or nothing.
 
-        The same values, shape and Parameter objects come back, in each placeholder's
-        current dtype (a ``model.to(dtype)`` since enabling is honoured), and the experts
+        The same values and shapes come back, into the same Parameter objects (or the new
+        empty ones a conversion put in their place: `serving.current_placeholder`), in each
+        placeholder's current dtype (a ``model.to(dtype)`` since enabling is honoured), and the experts
         implementation selected now (the one in force when the cache was enabled, or what
         ``model.set_experts_implementation`` chose since) stays selected. The model's
         modules hold their original config objects again (the model held copies while
@@ -143,7 +145,8 @@ class ExpertCacheHandle:
                 experts do not fit its GPU: move or save it afterwards).
 
         Raises:
-            ValueError: ``to`` is neither; RuntimeError: a GPU cannot hold the experts
+            ValueError: ``to`` is neither, or a placeholder is on the meta device (moved
+                there); RuntimeError: a GPU cannot hold the experts
                 (checked against its free memory before anything is allocated), or the
                 restore failed. In every case nothing changed: the cache still serves
                 the model.
@@ -153,10 +156,14 @@ class ExpertCacheHandle:
         if not self.enabled:
             return
         device = torch.device("cpu") if to == "cpu" else None
-        self._check_room(bytes_needed(self._served, device))
+        taken = dispatch.served_parameter_ids()
+        targets = [restore_targets(item, taken) for item in self._served]
+        _check_not_meta(self._served, targets)
+        self._check_room(bytes_needed(self._served, device, targets))
         final = self.stats
         try:
-            weights = [restored_weights(item, device) for item in self._served]
+            pairs = zip(self._served, targets, strict=True)
+            weights = [restored_weights(item, device, filled) for item, filled in pairs]
         except torch.OutOfMemoryError as error:
             raise RuntimeError(
                 f"disable(to={to!r}) ran out of memory putting the experts back: nothing changed, the cache "
@@ -164,9 +171,9 @@ class ExpertCacheHandle:
             ) from error
         chosen = self._chosen_implementations()  # read before unbinding: the bindings know it
         # Nothing below can fail: the model switches back in one step.
-        for item, restored in zip(self._served, weights, strict=True):
+        for item, restored, filled in zip(self._served, weights, targets, strict=True):
             dispatch.unbind(item.block.module)
-            put_back(item, restored)
+            put_back(item, restored, filled)
         for block_config, name in chosen:
             dispatch.set_config_implementation(block_config, name)
         self._guards.remove()
@@ -198,3 +205,17 @@ class ExpertCacheHandle:
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
         return f"ExpertCacheHandle({len(self._served)} expert blocks, {self.config}, {state})"
+
+
+def _check_not_meta(served, targets) -> None:
+    """Refuse to restore a served parameter whose placeholder is on the meta device (moved
+    there): the experts would lose their values there, or fail to land midway."""
+    for item, filled in zip(served, targets, strict=True):
+        for name, parameter in filled.items():
+            current = item.block.module._parameters.get(name)
+            if parameter.device.type == "meta" or (current is not None and current.device.type == "meta"):
+                raise ValueError(
+                    f"{item.block.name}.{name} is on the meta device, where its experts cannot be put back: move "
+                    f"its placeholder to a real device first (it holds no values: module.to_empty(device=...) "
+                    f"does it); nothing changed"
+                )

@@ -3,7 +3,8 @@
 ``serve_blocks`` copies each block's per-expert parameters into a provider (its pinned store),
 then shrinks the parameters to empty placeholders, one block at a time, so the host never
 holds more than one extra block; ``restore_block`` writes the store's bytes back into the
-same Parameter objects. Checks that need every block (pin budget, one layout for a shared
+same Parameter objects (or, `restore_targets`, the new empty ones a conversion put in their
+place: `current_placeholder`). Checks that need every block (pin budget, one layout for a shared
 pool) run before anything is copied.
 """
 
@@ -41,15 +42,33 @@ class ServedBlock:
     saved: dict[str, SavedParameter] = field(default_factory=dict)
 
 
-def placeholder(item: ServedBlock, name: str) -> nn.Parameter:
-    """The Parameter standing for ``item.saved[name]`` in the model now: the module's own when
-    it is an empty placeholder (a conversion that makes new Parameter objects replaced the one
-    taken: ``model.to()`` under ``torch.__future__.set_overwrite_module_params_on_conversion
-    (True)``, accelerate's ``set_module_tensor_to_device``), else the one taken."""
-    owner, _, leaf = name.rpartition(".")
-    module = item.block.module.get_submodule(owner) if owner else item.block.module
-    now = module._parameters.get(leaf)
-    return now if isinstance(now, nn.Parameter) and now.numel() == 0 else item.saved[name].parameter
+def current_placeholder(module: nn.Module, name: str, saved: SavedParameter, taken: set[int]) -> nn.Parameter | None:
+    """The Parameter of ``module`` that stands for the served ``saved`` now, or None.
+
+    The one taken at enabling while the module holds it; else a new *empty* Parameter the
+    module holds under ``name`` (a conversion that makes new objects: ``model.to()`` under
+    ``torch.__future__.set_overwrite_module_params_on_conversion(True)``, accelerate's
+    ``set_module_tensor_to_device``), unless it is on the meta device or ``taken`` (the
+    ``id`` of a served parameter's placeholder: a tie would serve one layer's experts as
+    another's). None: deleted, or replaced by something the cache does not serve.
+    """
+    now = module._parameters.get(name)
+    if now is saved.parameter:
+        return now
+    if isinstance(now, nn.Parameter) and now.numel() == 0 and now.device.type != "meta" and id(now) not in taken:
+        return now
+    return None
+
+
+def restore_targets(item: ServedBlock, taken: set[int] | None = None) -> dict[str, nn.Parameter]:
+    """Parameter name -> the Parameter `put_back` fills: the current placeholder
+    (`current_placeholder`; ``taken=None``: only the Parameters taken count), else the one
+    taken (the module then keeps what replaced it)."""
+    targets = {}
+    for name, saved in item.saved.items():
+        now = None if taken is None else current_placeholder(item.block.module, name, saved, taken)
+        targets[name] = now if now is not None else saved.parameter
+    return targets
 
 
 def serve_blocks(blocks: list[ExpertBlock], config: ExpertCacheConfig, target: torch.device, pool) -> list[ServedBlock]:
@@ -118,37 +137,43 @@ def _take_weights(item: ServedBlock) -> None:
         parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
 
 
-def restored_weights(item: ServedBlock, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+def restored_weights(
+    item: ServedBlock, device: torch.device | None = None, targets: dict[str, nn.Parameter] | None = None
+) -> dict[str, torch.Tensor]:
     """The block's experts rebuilt from the store, not yet put back (this is the step that can
     fail, e.g. out of memory; nothing changes until `put_back`).
 
     Args:
         item: a served block.
-        device: where to build them (None: where each placeholder is now; placeholders
-            follow ``model.to()``).
+        device: where to build them (None: where each target is now; placeholders follow
+            ``model.to()``).
+        targets: the Parameters they will fill (`restore_targets`; None: those taken).
 
     Returns:
-        parameter name -> ``[E, ...]`` tensor in its original shape and its placeholder's
+        parameter name -> ``[E, ...]`` tensor in its original shape and its target's
         current dtype (a ``model.to(dtype)`` since enabling is honoured).
     """
     stored = item.provider.store.tensors
+    targets = restore_targets(item) if targets is None else targets
     weights = {}
     # ordinary tensors even under torch.inference_mode(): inference tensors as parameters
     # would stop the model from ever taking gradients again, which it could before the cache
     with torch.inference_mode(False):
         for name, saved in item.saved.items():
-            now = placeholder(item, name)
-            target = now.device if device is None else device
-            empty = torch.empty(saved.shape, dtype=now.dtype, device=target)
+            target = targets[name].device if device is None else device
+            empty = torch.empty(saved.shape, dtype=targets[name].dtype, device=target)
             weights[name] = empty.copy_(stored[item.block.cache_name(name)])
     return weights
 
 
-def put_back(item: ServedBlock, weights: dict[str, torch.Tensor]) -> None:
-    """Make ``weights`` (from `restored_weights`) the data of the placeholders (`placeholder`:
-    the taken Parameter objects, unless a conversion replaced them)."""
+def put_back(
+    item: ServedBlock, weights: dict[str, torch.Tensor], targets: dict[str, nn.Parameter] | None = None
+) -> None:
+    """Make ``weights`` (from `restored_weights`) the data of ``targets`` (`restore_targets`;
+    None: the Parameter objects taken)."""
+    targets = restore_targets(item) if targets is None else targets
     for name in item.saved:
-        placeholder(item, name).data = weights[name]
+        targets[name].data = weights[name]
 
 
 def restore_block(item: ServedBlock, device: torch.device | None = None) -> None:
@@ -156,14 +181,16 @@ def restore_block(item: ServedBlock, device: torch.device | None = None) -> None
     put_back(item, restored_weights(item, device))
 
 
-def bytes_needed(items: list[ServedBlock], device: torch.device | None = None) -> dict[torch.device, int]:
-    """Bytes `restored_weights` allocates, per device."""
+def bytes_needed(
+    items: list[ServedBlock], device: torch.device | None = None, targets: list[dict[str, nn.Parameter]] | None = None
+) -> dict[torch.device, int]:
+    """Bytes `restored_weights` allocates, per device (``targets``: each item's `restore_targets`)."""
     needed: dict[torch.device, int] = {}
-    for item in items:
+    for index, item in enumerate(items):
+        filled = restore_targets(item) if targets is None else targets[index]
         for name, saved in item.saved.items():
-            now = placeholder(item, name)
-            target = now.device if device is None else device
-            size = saved.shape.numel() * now.element_size()
+            target = filled[name].device if device is None else device
+            size = saved.shape.numel() * filled[name].element_size()
             needed[target] = needed.get(target, 0) + size
     return needed
 
