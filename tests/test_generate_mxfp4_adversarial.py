@@ -164,7 +164,12 @@ def _qwen3_claiming_mxfp4(directory):
 
 
 def _index_not_json(directory):
+    _sharded(directory)  # the shards, then an index that is not JSON in place of theirs
     (directory / "model.safetensors.index.json").write_text("{not json")
+
+
+def _zero_dim_blocks(tensors):
+    tensors[LAYER0 + "gate_up_proj_blocks"] = torch.tensor(7, dtype=torch.uint8)
 
 
 REFUSED_BEFORE_LOADING = [
@@ -179,6 +184,8 @@ REFUSED_BEFORE_LOADING = [
     pytest.param({"state": _cut("gate_up_proj_scales")}, [], None,
                  r"cannot load the weights \(MXFP4 gate_up_proj_scales must be uint8 \[8, 64, 2\], got torch.uint8 "
                  r"\[8, 62, 2\]", id="scales-short"),  # was: named gate_up_proj, whose shape is right
+    pytest.param({"state": _zero_dim_blocks}, [], None,
+                 r"gate_up_proj_blocks has shape \[\]: not an MXFP4 checkpoint tensor", id="blocks-0-dim"),
     pytest.param({"state": _retype("down_proj_blocks", torch.int8)}, [], None,
                  r"--model .*: cannot load the weights \(MXFP4 down_proj must be uint8", id="blocks-int8"),
     pytest.param({"state": _pop("down_proj_scales")}, [], None,
@@ -300,6 +307,22 @@ def test_a_sharded_checkpoint_with_an_unexpected_key_generates_transformers_toke
     assert status == 0, err
     assert f"output token ids: {_reference(directory)}" in out and "identical tokens" in out
     assert "extra.unused" in err and "UNEXPECTED" in err  # transformers' report, shown for an accepted load
+
+
+def test_beside_model_safetensors_an_index_is_not_read(base_checkpoint, tmp_path, capfd):
+    """transformers loads ``model.safetensors`` when both are there: the packed experts come
+    from it too (they came from the index's shards, whose scales differ here: other tokens)."""
+    from safetensors.torch import load_file, save_file
+
+    directory = _checkpoint(base_checkpoint, tmp_path / "ckpt")
+    tensors = load_file(directory / "model.safetensors")
+    other = {key: value + 1 if key.endswith("_scales") else value for key, value in tensors.items()}
+    save_file(other, directory / "model-00001-of-00001.safetensors", metadata={"format": "pt"})
+    weight_map = dict.fromkeys(other, "model-00001-of-00001.safetensors")
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    status, out, err = _generate(directory, capfd)
+    assert status == 0, err
+    assert f"output token ids: {_reference(directory)}" in out
 
 
 def test_a_bf16_checkpoint_generates_transformers_tokens(tmp_path, capfd):

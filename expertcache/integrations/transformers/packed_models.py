@@ -118,7 +118,16 @@ def load_mxfp4_experts(model: nn.Module, checkpoint: str | os.PathLike | Mapping
     return list(tensors)
 
 
+#: The fewest dimensions each MXFP4 tensor has (blocks: ``[E, rows, G, 16]`` as checkpoints
+#: hold them, or ``[E, rows, G * 16]``).
+_MXFP4_MIN_DIMS = {"blocks": 3, "scales": 3, "bias": 2}
+
+
 def _mxfp4_module(name: str, old: nn.Module, parts: dict[str, torch.Tensor]) -> Mxfp4Experts:
+    for part, tensor in parts.items():  # before any shape is read: a 0-dim or empty one is named
+        if tensor.dim() < _MXFP4_MIN_DIMS[part.rsplit("_", 1)[1]] or tensor.numel() == 0:
+            raise ValueError(f"{name}.{part} has shape {list(tensor.shape)}: not an MXFP4 checkpoint tensor "
+                             f"(nothing was replaced)")  # fmt: skip
     experts = parts["gate_up_proj_blocks"].shape[0]
     if not getattr(old, "has_bias", False) or getattr(old, "num_experts", None) != experts:
         raise ValueError(f"{name} ({type(old).__name__}) is not a GPT-OSS experts module with the checkpoint's "
@@ -170,8 +179,8 @@ def _check_not_served(model: nn.Module, names, what: str) -> None:
 
 
 def safetensors_files(directory: str | os.PathLike) -> dict[str, str]:
-    """Tensor name -> the safetensors file holding it: from ``model.safetensors.index.json``,
-    else ``model.safetensors`` (the two layouts transformers saves).
+    """Tensor name -> the safetensors file holding it: ``model.safetensors``, else the shards
+    ``model.safetensors.index.json`` names (the order transformers loads them in).
 
     Raises:
         ValueError: neither file is there, or the index is not JSON with a ``weight_map`` of
@@ -181,6 +190,9 @@ def safetensors_files(directory: str | os.PathLike) -> dict[str, str]:
 
     index = os.path.join(directory, "model.safetensors.index.json")
     single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(single):  # transformers' order: the single file first, then the index
+        with safe_open(single, framework="pt") as handle:
+            return {key: single for key in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
     if os.path.isfile(index):
         try:
             with open(index, "rb") as file:
@@ -190,10 +202,7 @@ def safetensors_files(directory: str | os.PathLike) -> dict[str, str]:
         if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
             raise ValueError("model.safetensors.index.json has no weight_map of tensor names to file names")
         return {key: os.path.join(directory, name) for key, name in weight_map.items()}
-    if not os.path.isfile(single):
-        raise ValueError("the directory has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, framework="pt") as handle:
-        return {key: single for key in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    raise ValueError("the directory has neither model.safetensors nor model.safetensors.index.json")
 
 
 def mxfp4_headers(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], set[str]]:
