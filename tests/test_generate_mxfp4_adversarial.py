@@ -193,10 +193,11 @@ REFUSED_BEFORE_LOADING = [
                  id="no-scales"),
     pytest.param({"state": _pop("gate_up_proj_bias")}, [], None, r"but not .*gate_up_proj_bias", id="no-bias"),
     pytest.param({"state": _dense_beside_blocks}, [], None,
-                 r"holds model\.layers\.0\.mlp\.experts\.gate_up_proj beside its MXFP4 blocks",
+                 r"holds model\.layers\.0\.mlp\.experts\.gate_up_proj beside the MXFP4 blocks",
                  id="dense-beside-blocks"),
     pytest.param({"state": _retype("gate_up_proj_bias", torch.bfloat16)}, [], None,
-                 r"global needs every MoE layer's experts .*model\.layers\.1\.mlp\.experts.*per-layer",
+                 r"--moe-expert-cache-budget global: budget 'global' needs every MoE layer's experts .*"
+                 r"model\.layers\.1\.mlp\.experts.*per-layer",
                  id="bias-dtypes-differ-global"),
     pytest.param({}, [], _as_pytorch_bin, r"has neither model\.safetensors nor model\.safetensors\.index",
                  id="pytorch-bin"),

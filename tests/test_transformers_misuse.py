@@ -74,6 +74,8 @@ def test_load_mxfp4_into_a_served_model_is_refused(mxfp4_checkpoint):
     [
         ("drop", ValueError, "holds model.layers.1.mlp.experts.gate_up_proj_blocks but not .*down_proj_scales"),
         ("list", TypeError, r"checkpoint\['model.layers.1.mlp.experts.down_proj_scales'\] must be a torch.Tensor"),
+        # transformers computes with the dense weight: the blocks beside it would be other experts
+        ("dense", ValueError, r"holds model.layers.1.mlp.experts.down_proj beside the MXFP4 blocks"),
     ],
 )
 def test_load_mxfp4_names_a_missing_or_bad_tensor(mxfp4_checkpoint, change, error, match):
@@ -83,6 +85,8 @@ def test_load_mxfp4_names_a_missing_or_bad_tensor(mxfp4_checkpoint, change, erro
     key = "model.layers.1.mlp.experts.down_proj_scales"
     if change == "drop":
         del checkpoint[key]
+    elif change == "dense":
+        checkpoint["model.layers.1.mlp.experts.down_proj"] = torch.zeros(2)
     else:
         checkpoint[key] = checkpoint[key].tolist()
     with pytest.raises(error, match=match):

@@ -49,7 +49,7 @@ def check_serving(
     otherwise a quantized config or one without a dtype skips the checks of their bytes.
     """
     from expertcache.integrations.transformers.dispatch import IMPLEMENTATION_NAME, resolve
-    from expertcache.integrations.transformers.serving import check_pin_budget
+    from expertcache.integrations.transformers.serving import check_one_layout, check_pin_budget
     from expertcache.store import check_compression
 
     if implementation == IMPLEMENTATION_NAME:  # transformers accepts it once the cache has registered it
@@ -78,14 +78,11 @@ def check_serving(
             check_compression(config.compression, layout)
     except ValueError as error:  # PinBudgetError is one
         parser.error(str(error))
-    if config.budget == "global":  # one pool of slots for every layer (`serving.shared_pool` refuses the same)
-        for block, layout in zip(blocks[1:], layouts[1:], strict=True):
-            if layout.specs != layouts[0].specs:
-                parser.error(
-                    f"--moe-expert-cache-budget global needs every MoE layer's experts to have the same shapes and "
-                    f"dtypes, but those of {block.name} differ from those of {blocks[0].name}; use "
-                    f"--moe-expert-cache-budget per-layer"
-                )
+    if config.budget == "global":  # one pool of slots for every layer
+        try:
+            check_one_layout(blocks, layouts)
+        except ValueError as error:
+            parser.error(f"--moe-expert-cache-budget global: {error}")
 
 
 def _layout(block):
@@ -128,17 +125,9 @@ def mxfp4_blocks(path: Path, skeleton):
         return ValueError(f"--model {path}: cannot load the weights ({reason})")
 
     try:
-        stand_ins, keys = mxfp4_headers(path)
+        stand_ins, _ = mxfp4_headers(path)
     except (OSError, ValueError, SafetensorError) as error:
         raise refused(str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}") from None
-    for key in sorted(keys):
-        for projection in ("gate_up_proj", "down_proj"):
-            if key.endswith(f".{projection}") and f"{key}_blocks" in keys:
-                raise refused(
-                    f"the checkpoint holds {key} beside its MXFP4 blocks ({key}_blocks): two weights for the same "
-                    f"experts (transformers computes with the dense one, the cache would serve the blocks); keep "
-                    f"one of them"
-                )
     try:
         load_mxfp4_experts(skeleton, stand_ins)
     except (ValueError, TypeError) as error:

@@ -151,6 +151,10 @@ def _mxfp4_tensors(model: nn.Module, checkpoint) -> dict[str, dict[str, torch.Te
     for name in names:
         if f"{name}.gate_up_proj_blocks" not in keys:
             continue
+        dense = [f"{name}.{part}" for part in ("gate_up_proj", "down_proj") if f"{name}.{part}" in keys]
+        if dense:  # transformers computes with those: serving the blocks would compute something else
+            raise ValueError(f"the checkpoint holds {dense[0]} beside the MXFP4 blocks of {name}: two weights for "
+                             f"the same experts; keep one of them (nothing was replaced)")  # fmt: skip
         missing = [f"{name}.{part}" for part in MXFP4_TENSORS if f"{name}.{part}" not in keys]
         if missing:
             raise ValueError(f"the checkpoint holds {name}.gate_up_proj_blocks but not {', '.join(missing)}: "
@@ -207,7 +211,7 @@ def safetensors_files(directory: str | os.PathLike) -> dict[str, str]:
 
 def mxfp4_headers(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], set[str]]:
     """What `load_mxfp4_experts` would read from ``directory``, without reading it: a
-    meta-device tensor of each MXFP4 expert tensor's shape and dtype (from the safetensors
+    meta-device tensor of each MXFP4 expert tensor's (and dense expert weight's) shape and dtype (from the safetensors
     headers), and every name the checkpoint holds. ``load_mxfp4_experts(meta_model, headers)``
     then checks a checkpoint before anything loads.
 
@@ -218,8 +222,8 @@ def mxfp4_headers(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
 
     files = safetensors_files(directory)
     wanted: dict[str, list[str]] = {}
-    for key, file in files.items():
-        if key.rsplit(".", 1)[-1] in MXFP4_TENSORS:
+    for key, file in files.items():  # the dense weights too: `load_mxfp4_experts` refuses them beside blocks
+        if key.rsplit(".", 1)[-1] in (*MXFP4_TENSORS, "gate_up_proj", "down_proj"):
             wanted.setdefault(file, []).append(key)
     headers = {}
     for file, names in wanted.items():

@@ -104,14 +104,20 @@ def check_pin_budget(blocks: list[ExpertBlock], layouts: list[ExpertLayout], bud
         raise PinBudgetError(needed, budget)
 
 
-def shared_pool(blocks, layouts, config: ExpertCacheConfig, target: torch.device) -> SlotPool:
-    """One pool of ``cache_size x len(blocks)`` slots for every block (the global budget)."""
+def check_one_layout(blocks: list[ExpertBlock], layouts: list[ExpertLayout]) -> None:
+    """Raise ValueError unless every block's experts have the same tensors, shapes and dtypes
+    (what one pool of slots for every layer needs: the global budget)."""
     for block, layout in zip(blocks[1:], layouts[1:], strict=True):
         if layout.specs != layouts[0].specs:
             raise ValueError(
-                f"budget 'global' needs every MoE layer's experts to have the same shapes, but "
-                f"{block.name} differs from {blocks[0].name}; use budget 'per-layer'"
+                f"budget 'global' needs every MoE layer's experts to have the same shapes and dtypes, but "
+                f"those of {block.name} differ from those of {blocks[0].name}; use budget 'per-layer'"
             )
+
+
+def shared_pool(blocks, layouts, config: ExpertCacheConfig, target: torch.device) -> SlotPool:
+    """One pool of ``cache_size x len(blocks)`` slots for every block (the global budget)."""
+    check_one_layout(blocks, layouts)
     return SlotPool(layouts[0], config.cache_size * len(blocks), device=target, policy=config.policy, mode=config.mode)
 
 
