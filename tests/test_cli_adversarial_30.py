@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import checkpoint_with
-from test_cli_errors import _check_one_line
+from test_cli_errors import _check_one_line, refused_in_one_line
 
 from expertcache import file_writes
 from expertcache.cli import build_parser, main
@@ -126,17 +126,8 @@ def test_generate_refuses_a_config_top_k_that_is_no_top_k(checkpoint, tmp_path, 
     model = checkpoint_with(checkpoint, tmp_path, num_experts_per_tok=top_k)
     argv = ["generate", "--model", str(model), "--moe-expert-cache-size", "4", "--device", "cpu",
             "--max-new-tokens", "2"]  # fmt: skip
-    try:
-        status = main(argv)
-    except SystemExit as exit_info:  # the parser's refusals
-        status = exit_info.code
-    captured = capsys.readouterr()
-    assert status == 2 and captured.out == ""
-    _check_one_line(
-        captured.err,
-        argv,
-        f"num_experts_per_tok \\(the router's top-k\\) must be a whole number from 1 to 8 .*, got {top_k}$",
-    )
+    expected = f"num_experts_per_tok \\(the router's top-k\\) must be a whole number from 1 to 8 .*, got {top_k}$"
+    refused_in_one_line(argv, capsys, expected)
 
 
 @pytest.mark.parametrize(

@@ -154,6 +154,19 @@ def _check_one_line(stderr: str, argv: list[str], expected: str) -> None:
     assert re.search(expected, lines[0]), f"{expected!r} not in {lines[0]!r}"
 
 
+def refused_in_one_line(argv: list[str], capsys, expected: str) -> None:
+    """``main(argv)`` exits 2 (returned, or the parser's SystemExit) with one stderr line
+    matching ``expected`` (`_check_one_line`) and prints nothing on stdout."""
+    try:
+        status = main(argv)
+    except SystemExit as exit_info:  # the parser's refusals
+        status = exit_info.code
+    captured = capsys.readouterr()
+    assert status == 2, captured
+    assert captured.out == ""
+    _check_one_line(captured.err, argv, expected)
+
+
 @pytest.mark.parametrize("index", range(len(SUBPROCESS_CASES)), ids=[case[:60] for case, _ in SUBPROCESS_CASES])
 def test_a_bad_invocation_exits_2_with_one_line(index, subprocess_results, bad_files):
     case, expected = SUBPROCESS_CASES[index]

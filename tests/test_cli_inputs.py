@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_cli_errors import _check_one_line
+from test_cli_errors import refused_in_one_line as _refused
 from test_plan import _trace
 
 from expertcache.cli import main
@@ -25,18 +25,6 @@ from expertcache.trace import RoutingTrace, load_trace
 from expertcache.trace.errors import TraceFileError
 
 _PLAN = ["plan", "--expert-bytes", "1000", "--gpu-budget", "6e-6", "--no-progress"]
-
-
-def _refused(argv: list[str], capsys, expected: str) -> None:
-    """``main(argv)`` exits 2 with one stderr line matching ``expected`` and prints nothing else."""
-    try:
-        status = main(argv)
-    except SystemExit as exit_info:  # the parser's refusals
-        status = exit_info.code
-    captured = capsys.readouterr()
-    assert status == 2, captured
-    assert captured.out == ""
-    _check_one_line(captured.err, argv, expected)
 
 
 def _files(folder: Path) -> dict[str, bytes]:

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from test_cli_errors import _check_one_line
+from test_cli_errors import refused_in_one_line
 from transformers_helpers import TINY
 
 from expertcache.cli import add_cache_arguments, cache_config_from_args, main
@@ -132,13 +132,7 @@ def test_generate_refuses_before_the_weights_load(checkpoint, flags, expected, c
     """One line: no "Loading weights" bar before it (each was found after the load once)."""
     argv = ["generate", "--model", str(checkpoint), "--moe-expert-cache-size", "4", "--device", "cpu"]
     argv += ["--prompt", "1 2 3 4", *flags]
-    try:
-        status = main(argv)
-    except SystemExit as exit_info:  # the parser's refusals
-        status = exit_info.code
-    captured = capsys.readouterr()
-    assert status == 2 and captured.out == ""
-    _check_one_line(captured.err, argv, expected)
+    refused_in_one_line(argv, capsys, expected)
 
 
 def test_generate_missing_directory(tmp_path, capsys):
