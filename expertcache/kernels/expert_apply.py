@@ -17,139 +17,23 @@ Weights may be fp32/fp16/bf16, or fp8 (e4m3) with DeepSeek-style block scales
 
 Matrix-vector products, memory-bound at decode batch sizes; for large ``T`` a grouped GEMM
 (the host engine's fused MoE) is the right tool.
+
+This module owns the launcher (`moe_apply`, `launch_pairs`: checks, tiles, grid, landing
+arguments), its reference (`moe_apply_torch`) and the ``expertcache::moe_apply`` custom op;
+the gate_up and down kernels are in `expertcache.kernels.expert_apply_kernels`, the sum over
+k that every apply ends with in `expertcache.kernels.sum_over_k`.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from expertcache.kernels._launch import chained, on_device, program_rows
 from expertcache.kernels.apply_checks import check_apply_inputs, check_invalid_counter, check_scales
-from expertcache.kernels.landing import wait_landed
+from expertcache.kernels.expert_apply_kernels import _down_kernel, _gate_up_kernel
+from expertcache.kernels.sum_over_k import launch_sum
 from expertcache.validation import check_flag
-
-
-@triton.jit
-def _scaled(weights, scale_ptr, rows, cols, mask, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, stride_scale_row):
-    weights = weights.to(tl.float32)
-    if HAS_SCALE:
-        index = (rows // SCALE_BLOCK)[:, None] * stride_scale_row + (cols // SCALE_BLOCK)[None, :]
-        weights = weights * tl.load(scale_ptr + index, mask=mask, other=0.0).to(tl.float32)
-    return weights
-
-
-@triton.jit
-def _gate_up_kernel(
-    hidden_ptr, w1_ptr, scale_ptr, ids_ptr, act_ptr,
-    hidden_size, inter_size, top_k, num_rows, stride_token, stride_expert, stride_row,
-    stride_scale_expert, stride_scale_row, landed_ptr, landed_target, landed_mask, done_ptr,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    PDL: tl.constexpr, WAIT: tl.constexpr,
-):  # fmt: skip
-    if PDL:  # launched while the previous kernel (the copy) runs: wait for the slots it fills
-        gdc_wait()
-        gdc_launch_dependents()  # and let the down kernel launch: it waits for this one
-    pair = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    row_mask = rows < inter_size
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    # products accumulate elementwise and are reduced once after the loop: a reduction per
-    # step would stall the loads behind it (2.5x slower at T=1 on an H200)
-    gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
-    up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
-    if (expert >= 0) & (expert < num_rows):  # anything else contributes nothing, reads nothing
-        if WAIT:  # the slot's w1 may still be arriving (expertcache.kernels.landing)
-            wait_landed(landed_ptr, expert, landed_target, landed_mask)
-        x_row = hidden_ptr + (pair // top_k) * stride_token
-        gate_rows = w1_ptr + expert * stride_expert + rows.to(tl.int64)[:, None] * stride_row
-        up_rows = gate_rows + inter_size * stride_row
-        scales = scale_ptr + expert * stride_scale_expert
-        for start in range(0, hidden_size, BLOCK_H):
-            cols = start + tl.arange(0, BLOCK_H)
-            col_mask = cols < hidden_size
-            x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-            mask = row_mask[:, None] & col_mask[None, :]
-            g = tl.load(gate_rows + cols[None, :], mask=mask, other=0.0)
-            u = tl.load(up_rows + cols[None, :], mask=mask, other=0.0)
-            g = _scaled(g, scales, rows, cols, mask, HAS_SCALE, SCALE_BLOCK, stride_scale_row)
-            u = _scaled(u, scales, rows + inter_size, cols, mask, HAS_SCALE, SCALE_BLOCK, stride_scale_row)
-            gate += g * x[None, :]
-            up += u * x[None, :]
-    gate_sum = tl.sum(gate, axis=1)
-    act = gate_sum / (1.0 + tl.exp(-gate_sum)) * tl.sum(up, axis=1)
-    if (expert >= 0) & (expert < num_rows):  # only a served pair's act is read (by down)
-        tl.store(act_ptr + pair * inter_size + rows, act, mask=row_mask)
-        if WAIT:  # tell the down kernel this tile of the pair's act is stored (expertcache.kernels.landing)
-            tl.debug_barrier()
-            tl.atomic_add(done_ptr + pair, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _down_kernel(
-    act_ptr, w2_ptr, scale_ptr, ids_ptr, weights_ptr, part_ptr,
-    hidden_size, inter_size, num_rows, stride_expert, stride_row, stride_scale_expert, stride_scale_row,
-    done_ptr, done_target, landed_ptr, landed_target,
-    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    WRITE_ALL: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
-):  # fmt: skip
-    if PDL:  # launched while gate_up runs: wait for its act (WAIT: for each pair's, below)
-        if not WAIT:
-            gdc_wait()
-        gdc_launch_dependents()
-    pair = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_mask = rows < hidden_size
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    served = (expert >= 0) & (expert < num_rows)
-    if served:
-        if WAIT:  # every gate_up tile of this pair has stored its act, and the slot's w2 has landed
-            wait_landed(done_ptr, pair, done_target, -1)
-            wait_landed(landed_ptr, expert, landed_target, -1)
-        w_rows = w2_ptr + expert * stride_expert + rows.to(tl.int64)[:, None] * stride_row
-        scales = scale_ptr + expert * stride_scale_expert
-        for start in range(0, inter_size, BLOCK_I):
-            cols = start + tl.arange(0, BLOCK_I)
-            col_mask = cols < inter_size
-            mask = row_mask[:, None] & col_mask[None, :]
-            a = tl.load(act_ptr + pair * inter_size + cols, mask=col_mask, other=0.0)
-            w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
-            w = _scaled(w, scales, rows, cols, mask, HAS_SCALE, SCALE_BLOCK, stride_scale_row)
-            acc += tl.sum(w * a[None, :], axis=1)
-        acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
-    if WRITE_ALL:  # rows of other passes (or of no expert) become zeros
-        tl.store(part_ptr + pair * hidden_size + rows, acc, mask=row_mask)
-    elif served:  # other rows belong to another pass: left as they are
-        tl.store(part_ptr + pair * hidden_size + rows, acc, mask=row_mask)
-    if PDL:
-        if WAIT:  # end after gate_up, as without WAIT: what follows this kernel follows both
-            gdc_wait()
-
-
-@triton.jit
-def _sum_over_k_kernel(
-    part_ptr, ids_ptr, invalid_ptr, out_ptr, hidden_size, top_k, num_rows, stride_out,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_INVALID: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    if PDL:  # launched while the down kernel runs: wait for its part
-        gdc_wait()
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < hidden_size
-    rows = part_ptr + token * top_k * hidden_size
-    total = tl.load(rows + cols, mask=mask, other=0.0)
-    for k in range(1, top_k):
-        total += tl.load(rows + k * hidden_size + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
-    if COUNT_INVALID and tl.program_id(1) == 0:
-        choices = tl.arange(0, BLOCK_K)
-        ids = tl.load(ids_ptr + token * top_k + choices, mask=choices < top_k, other=-1).to(tl.int64)
-        bad = tl.sum(((ids < -1) | (ids >= num_rows)).to(tl.int64), axis=0)
-        if bad > 0:
-            tl.atomic_add(invalid_ptr, bad)
 
 
 def moe_apply(
@@ -309,20 +193,6 @@ def landing_args(landing, ids: torch.Tensor, gate_up: bool = False) -> tuple[tor
     if landing is None:
         return ids, 0, -1
     return (landing.counts, *landing.gate_up()) if gate_up else (landing.counts, landing.target, -1)
-
-
-def launch_sum(
-    part: torch.Tensor, ids: torch.Tensor, invalid: torch.Tensor | None, out: torch.Tensor, num_rows: int
-) -> None:
-    """``out[t] = sum over k of part[t*K + k]`` in k order; ids outside ``[-1, N)`` are
-    added to ``invalid`` (None: not counted)."""
-    tokens, top_k = ids.shape
-    hidden_size = out.shape[1]
-    _sum_over_k_kernel[(tokens, triton.cdiv(hidden_size, 256))](
-        part, ids, invalid if invalid is not None else ids, out, hidden_size, top_k, num_rows, out.stride(0),
-        BLOCK_H=256, BLOCK_K=max(2, triton.next_power_of_2(top_k)), COUNT_INVALID=invalid is not None,
-        **chained(out.device),
-    )  # fmt: skip
 
 
 _moe_apply_op = torch.library.custom_op("expertcache::moe_apply", _moe_apply, mutates_args=())

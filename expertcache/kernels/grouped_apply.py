@@ -12,25 +12,29 @@ grouped by the index they carry, so both give the same rows in the same blocks. 
              BLOCK_M rows -> pair_of_row [R], expert_of_block [R/BLOCK_M]
     gate_up  grid (R/BLOCK_M, I/BLOCK_N):  act[r]  = silu(x_t @ W1g[e].T) * (x_t @ W1u[e].T)
     down     grid (R/BLOCK_M, H/BLOCK_N):  part[p] = topk_weight[p] * (act[r] @ W2[e].T)  fp32
-    sum_k    `expert_apply.launch_sum`: out[t] = sum over k of part[t, k], in k order
+    sum_k    `sum_over_k.launch_sum`: out[t] = sum over k of part[t, k], in k order
 
 Blocks past the used ones exit at once; the blocks of bucket N (ids that contribute nothing)
 write zero rows of ``part`` and read no weights. ``act`` is fp32 for fp32 ``w2``, else
 rounded to ``w2``'s dtype so the down GEMM runs on tensor cores (as fused MoE kernels do;
 `moe_apply` keeps it fp32). fp32 operands multiply with ``input_precision="ieee"``.
+
+This module owns the launchers (`moe_apply_grouped`, `launch_grouped_pairs`: checks, tiles,
+grid), the choice between GEMV and grouped GEMM (`moe_apply_auto`) and the
+``expertcache::moe_apply_grouped`` custom op; the kernels are in
+`expertcache.kernels.grouped_apply_kernels`.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.apply_checks import check_apply_inputs, check_invalid_counter, check_scales
 from expertcache.kernels.expert_apply import landing_args, launch_sum, moe_apply
+from expertcache.kernels.grouped_apply_kernels import _down_kernel, _gate_up_kernel
 from expertcache.kernels.grouped_routing import sort_pairs_by_expert
-from expertcache.kernels.landing import wait_landed
 from expertcache.validation import check_flag, check_int
 
 #: Pairs (``T*K``) from which `moe_apply_auto` takes the grouped GEMM over the GEMV. Set from
@@ -40,81 +44,6 @@ from expertcache.validation import check_flag, check_int
 GROUPED_MIN_PAIRS = 128
 
 _TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _dot(a, b, acc, FP32_DOT: tl.constexpr):
-    if FP32_DOT:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a.to(b.dtype), b, acc)
-    return acc
-
-
-@triton.jit
-def _gate_up_kernel(
-    hidden_ptr, w1_ptr, pair_ptr, expert_ptr, act_ptr,
-    hidden_size, inter_size, top_k, num_pairs, num_experts, stride_token, stride_expert, stride_row,
-    landed_ptr, landed_target, landed_mask,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-    WAIT: tl.constexpr,
-):  # fmt: skip
-    block = tl.program_id(0)
-    expert = tl.load(expert_ptr + block)
-    if (expert < 0) | (expert >= num_experts):  # past the used blocks, or pairs that contribute nothing
-        return
-    if WAIT:  # the slot's copy may still be arriving (expertcache.kernels.landing)
-        wait_landed(landed_ptr, expert, landed_target, landed_mask)
-    rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pair_ptr + rows)
-    row_mask = pairs < num_pairs  # padding holds num_pairs
-    x_rows = hidden_ptr + tl.where(row_mask, pairs // top_k, 0)[:, None] * stride_token
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < inter_size
-    gate_cols = w1_ptr + expert.to(tl.int64) * stride_expert + cols.to(tl.int64)[None, :] * stride_row
-    up_cols = gate_cols + inter_size * stride_row
-    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, hidden_size, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        k_mask = ks < hidden_size
-        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        gate = _dot(x, tl.load(gate_cols + ks[:, None], mask=w_mask, other=0.0), gate, FP32_DOT)
-        up = _dot(x, tl.load(up_cols + ks[:, None], mask=w_mask, other=0.0), up, FP32_DOT)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    out_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(act_ptr + rows[:, None] * inter_size + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _down_kernel(
-    act_ptr, w2_ptr, pair_ptr, expert_ptr, weights_ptr, part_ptr,
-    hidden_size, inter_size, num_pairs, num_experts, stride_expert, stride_row,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-    WRITE_ALL: tl.constexpr,
-):  # fmt: skip
-    block = tl.program_id(0)
-    expert = tl.load(expert_ptr + block)
-    if (expert < 0) | ((expert >= num_experts) & (not WRITE_ALL)):  # later passes keep other passes' rows
-        return
-    rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pair_ptr + rows)
-    row_mask = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < hidden_size
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if expert < num_experts:  # else: ids that contribute nothing get zero rows, read no weights
-        act_rows = act_ptr + rows[:, None] * inter_size
-        w_cols = w2_ptr + expert.to(tl.int64) * stride_expert + cols.to(tl.int64)[None, :] * stride_row
-        for start in range(0, inter_size, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            k_mask = ks < inter_size
-            a = tl.load(act_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = _dot(a, w, acc, FP32_DOT)
-        acc = acc * tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(part_ptr + pairs[:, None] * hidden_size + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
 def default_tiles(num_pairs: int, hidden_size: int, inter_size: int, tensor_cores: bool) -> tuple[int, ...]:
