@@ -8,8 +8,10 @@ the cache size against them, ``--experts-implementation``, the pin budget and th
 compression against the experts' bytes and dtype (on that copy, when its experts are those
 that load: not a quantized checkpoint, but a GPT-OSS MXFP4 one, whose packed experts the
 copy is given from the safetensors headers), the prompt against the tokenizer or the
-vocabulary and, with ``--max-new-tokens``, against the model's positions. Each failure is
-one line, exit status 2. A GPT-OSS MXFP4 checkpoint is served packed (`generate_run`).
+vocabulary and, with ``--max-new-tokens``, against the model's positions, and a
+``quant_method`` transformers does not know (it would load the packed tensors as unknown
+ones). Each failure is one line, exit status 2. A GPT-OSS MXFP4 checkpoint is served packed
+(`generate_run`).
 
 This module owns the flags (`register`) and the order of the work (`run`); the checks and
 what they read are `expertcache.commands.generate_checks`, the load and the generation
@@ -28,6 +30,7 @@ from expertcache.commands.generate_checks import (
     build_skeleton,
     check_directory,
     check_graphs,
+    check_quantization_method,
     check_serving,
     load_tokenizer,
     mxfp4_blocks,
@@ -69,9 +72,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--experts-implementation",
         default=None,
         metavar="NAME",
-        help="transformers experts implementation to compute with (default: the checkpoint's; with --graphs "
-        "batched_mm); batched_mm and expertcache_quant (the project's kernels) are bit-identical to the uncached "
-        "model when a prompt runs in several expert-group passes",
+        help="transformers experts implementation to compute with (default: packed FP8 or MXFP4 experts "
+        "expertcache_quant, else the checkpoint's, with --graphs batched_mm); batched_mm and expertcache_quant "
+        "(the project's kernels) are bit-identical to the uncached model when a prompt runs in several "
+        "expert-group passes",
     )
     parser.add_argument(
         "--save-trace",
@@ -111,6 +115,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         blocks = check_cache_size(skeleton, config.cache_size)
     except (ValueError, OSError) as error:  # unknown model type, no MoE layers, size out of range
         parser.error(f"{args.model}: {error}")
+    check_quantization_method(model_config, args.model, parser)
     slots = getattr(args, "moe_expert_cache_device", None)
     if slots is not None and resolve_device(slots) != device:
         parser.error(

@@ -233,3 +233,25 @@ def quantization_method(model_config) -> str | None:
     else:
         method = getattr(quantization, "quant_method", None)
     return None if method is None else str(getattr(method, "value", method))
+
+
+def check_quantization_method(model_config, path: Path, parser: argparse.ArgumentParser) -> None:
+    """A ``quant_method`` transformers does not know (``"MXFP4"``, ``"fp4"``) is refused: it
+    would skip the quantization with a warning and load the packed tensors as unknown ones,
+    leaving the experts without weights."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    quantization = getattr(model_config, "quantization_config", None)
+    method = quantization_method(model_config)
+    if method is None or method in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        return  # no method at all: transformers' own refusal names it
+    flags = quantization if isinstance(quantization, dict) else getattr(quantization, "__dict__", {})
+    if flags.get("load_in_8bit") or flags.get("load_in_4bit"):
+        return  # bitsandbytes: these flags name the method
+    near = [known for known in AUTO_QUANTIZATION_CONFIG_MAPPING if known == method.strip().lower()]
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    parser.error(
+        f"--model {path}: config.json's quantization_config.quant_method {method!r} is not one transformers "
+        f"knows{hint}: it would load the weights as if unquantized; known: "
+        f"{', '.join(sorted(AUTO_QUANTIZATION_CONFIG_MAPPING))}"
+    )

@@ -2,14 +2,15 @@
 
 `load_and_generate` loads the checkpoint's weights (transformers' load output held back
 until the load is accepted: `expertcache.commands.load_output`), refuses one that leaves
-parameters without weights, keeps an MXFP4 checkpoint's experts packed (transformers loads
-GPT-OSS dequantized where its hub kernels are not at hand, which is everywhere offline;
-`load_mxfp4_experts` then puts the checkpoint's blocks and scales back, 4x fewer bytes a
-miss than bf16), enables the expert cache (recording the routing with
-``--save-trace``), generates greedily through it (through CUDA graphs with ``--graphs``),
-prints the output and the cache's figures and, with ``--compare``, generates again with
-every expert resident and says whether the tokens match. What cannot load or run is a
-ValueError of one line.
+parameters without weights or holds expert tensors the model does not use, keeps an MXFP4
+checkpoint's experts packed (transformers loads GPT-OSS dequantized where its hub kernels
+are not at hand, which is everywhere offline; `load_mxfp4_experts` then puts the
+checkpoint's blocks and scales back, 4x fewer bytes a miss than bf16), computes packed
+experts with the project's kernels unless told otherwise, enables the expert cache
+(recording the routing with ``--save-trace``), generates greedily through it (through CUDA
+graphs with ``--graphs``), prints the output and the cache's figures and, with
+``--compare``, generates again with every expert resident and says whether the tokens
+match. What cannot load or run is a ValueError of one line.
 """
 
 from __future__ import annotations
@@ -45,20 +46,21 @@ def load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch,
     from expertcache.integrations.transformers import enable_expert_cache
     from expertcache.trace import RoutingRecorder
 
-    model, held, packed = _load_weights(args.model, mxfp4=mxfp4)
+    model, held = _load_weights(args.model, [block.name for block in blocks], mxfp4=mxfp4)
     model.eval()
     recorder = RoutingRecorder(source=f"expertcache generate {args.model}") if args.save_trace else None
-    if args.experts_implementation is not None:
-        model.set_experts_implementation(args.experts_implementation)  # accepted by the skeleton
-    elif args.graphs:
-        # what generate() decodes with on a GPU; grouped_mm's fallbacks (non-bf16) sync
-        model.set_experts_implementation("batched_mm")
+    packed = _packed_format(model)
+    implementation = _experts_implementation(args, packed)
+    if implementation is not None:
+        model.set_experts_implementation(implementation)  # a named one was accepted by the skeleton
     handle = enable_expert_cache(model, config, recorder=recorder)
     assert handle is not None  # config is not None
     # accepted: what transformers printed loading, then our lines (a refusal above is one line)
     held.show()
-    if packed:
-        print(f"experts: MXFP4 blocks and scales of {len(packed)} MoE layers, served packed")
+    if packed is not None:
+        print(f"experts: {packed} of {len(blocks)} MoE layers, served packed")
+    if implementation != args.experts_implementation:
+        print(f"experts computed with {implementation} (--experts-implementation names another)")
     model.to(device)  # everything but the experts, which now live in the store and the slots
     experts = blocks[0].num_experts
     top_k = getattr(blocks[0].module.config, "num_experts_per_tok", "?")
@@ -93,15 +95,50 @@ def load_and_generate(args, config, blocks, tokenizer, input_ids, device, torch,
     return _compare_without_cache(model, input_ids, args.max_new_tokens, run.tokens, stats.misses, torch)
 
 
-def _load_weights(path: Path, *, mxfp4: bool):
+def _experts_implementation(args, packed: str | None) -> str | None:
+    """What the experts compute with: ``--experts-implementation``; else, for packed experts,
+    the project's kernels (transformers' FP8 functions need the hub's finegrained-fp8 kernel,
+    which does not load offline; `Mxfp4Experts`' default dequantizes in torch); else, with
+    ``--graphs``, batched_mm (what generate() decodes with on a GPU; grouped_mm's fallbacks for
+    other dtypes than bf16 sync); else the checkpoint's (None)."""
+    from expertcache.integrations.transformers.quantized import QUANT_IMPLEMENTATION
+
+    if args.experts_implementation is not None:
+        return args.experts_implementation
+    if packed is not None:
+        return QUANT_IMPLEMENTATION
+    return "batched_mm" if args.graphs else None
+
+
+def _packed_format(model) -> str | None:
+    """What the loaded experts hold when they are packed (transformers keeps an FP8
+    checkpoint's experts packed on a GPU and dequantizes them without one), else None."""
+    from expertcache.integrations.transformers import find_expert_blocks
+    from expertcache.integrations.transformers.packed_models import Mxfp4Experts
+    from expertcache.integrations.transformers.quantized import is_quantized
+
+    modules = [block.module for block in find_expert_blocks(model)]
+    if modules and all(isinstance(module, Mxfp4Experts) for module in modules):
+        return "MXFP4 blocks and scales"
+    if modules and all(is_quantized(module) for module in modules):
+        return "FP8 values and scales"
+    return None
+
+
+def _load_weights(path: Path, experts: list[str], *, mxfp4: bool):
     """The checkpoint's model with its weights, refused (ValueError, one line) when it cannot
-    load or leaves parameters without weights; with ``mxfp4``, its experts packed.
+    load, leaves parameters without weights or holds expert tensors the model does not use;
+    with ``mxfp4``, its experts packed.
+
+    Args:
+        path: the checkpoint directory.
+        experts: the names of the model's experts modules.
+        mxfp4: the checkpoint's experts are MXFP4 blocks and scales.
 
     Returns:
-        ``(model, held, packed)``: the model, what transformers printed while loading (held
-        back: the caller shows it once the cache accepts the model, so that a refusal until
-        then is one line) and the names of the experts modules now packed (``[]`` without
-        ``mxfp4``).
+        ``(model, held)``: the model and what transformers printed while loading (held back:
+        the caller shows it once the cache accepts the model, so that a refusal until then is
+        one line).
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -131,7 +168,10 @@ def _load_weights(path: Path, *, mxfp4: bool):
             ) from None
     model, loading = loaded
     _check_nothing_missing(path, loading["missing_keys"])
-    return model, held, load_mxfp4_experts(model, path) if mxfp4 else []
+    _check_experts_use_everything(path, experts, loading["unexpected_keys"])
+    if mxfp4:
+        load_mxfp4_experts(model, path)
+    return model, held
 
 
 def _compare_without_cache(model, input_ids, max_new_tokens, cached_tokens, misses, torch) -> int:
@@ -160,6 +200,21 @@ def _check_nothing_missing(path: Path, missing) -> None:
         raise ValueError(
             f"--model {path}: the checkpoint has no weights for {len(names)} of the model's parameters "
             f"({shown}); transformers would start them at random"
+        )
+
+
+def _check_experts_use_everything(path: Path, experts: list[str], unexpected) -> None:
+    """Refuse a checkpoint holding tensors of an experts module that the module does not use
+    (an FP8 scale under another name, biases for experts without them): transformers drops
+    them with a report and computes the experts without them, so the cache would serve
+    weights that are not the checkpoint's."""
+    prefixes = tuple(f"{name}." for name in experts)
+    unused = sorted(key for key in unexpected if key.startswith(prefixes))
+    if unused:
+        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+        raise ValueError(
+            f"--model {path}: the checkpoint holds {len(unused)} expert tensors the model does not use ({shown}); "
+            f"transformers would compute the experts without them"
         )
 
 
