@@ -1,4 +1,4 @@
-"""A multi-layer MoE decode step, and the same step captured once in a CUDA graph.
+"""`DecodeStack`: a multi-layer MoE decode step, made to be captured in one CUDA graph.
 
 The shape of what an engine runs per generated token, with the cache inside::
 
@@ -25,6 +25,10 @@ to measure what a good one could win.
 Routing ids are an input (replayed from a trace, or any router's top-k), so a captured
 graph replays with fresh routing every step. With device-mode providers the captured step
 contains admissions and copies: misses are served inside the graph.
+
+This module owns the stack: its layers, settings and step. What a stack checks before any
+layer runs is in `expertcache.decode_stack_checks`; the step captured once in a CUDA graph,
+`GraphedDecodeStep`, in `expertcache.graphed_decode_step` (importable from here too).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
+from expertcache.decode_stack_checks import check_prefetch, check_router_width, check_step
+from expertcache.graphed_decode_step import GraphedDecodeStep
 from expertcache.kernels.apply_passes import moe_apply_passes
 from expertcache.kernels.quant_passes import moe_apply_quant_passes
 from expertcache.passes import OVERLAP_MAX_IDS
@@ -44,6 +50,8 @@ from expertcache.validation import check_flag, check_int, check_overlap
 
 if TYPE_CHECKING:
     from expertcache.cached_provider import CachedWeightProvider
+
+__all__ = ["DecodeStack", "ExpertApply", "GraphedDecodeStep"]
 
 
 #: An expert apply over the passes of one call: ``(hidden [T, H], results, topk_weights
@@ -115,7 +123,7 @@ class DecodeStack:
             )
         if not callable(apply):
             raise TypeError(f"apply must be an expert apply over passes (e.g. moe_apply_passes), got {apply!r:.40}")
-        _check_router_width(providers, num_experts)
+        check_router_width(providers, num_experts)
         self.apply = apply
         if overlap is None:
             overlap = apply in (moe_apply_passes, moe_apply_quant_passes)
@@ -175,9 +183,9 @@ class DecodeStack:
             An error inside a layer (its ``apply``) ends that layer's call (its passes
             closed) before it propagates: the next step runs, and prefetches, as usual.
         """
-        self._check_step(hidden, routing)
+        check_step(self, hidden, routing)
         if prefetch is not None:
-            self._check_prefetch(prefetch, routing)
+            check_prefetch(self, prefetch, routing)
         h = hidden
         wrapped: list[int] = []  # layers whose prefetch is for the next step's call
         for layer, provider in enumerate(self.providers):
@@ -225,142 +233,3 @@ class DecodeStack:
         if self.across_steps:
             return range(ahead % self.num_layers, ahead % self.num_layers + 1)
         return range(1 if layer == 0 else ahead, min(ahead, self.num_layers - 1) + 1)
-
-    def _check_step(self, hidden: torch.Tensor, routing: torch.Tensor) -> None:
-        """Before any layer runs: ``hidden`` ``[T, H]``, ``routing`` ``[L, T, K]`` int ids in ``[0, E)``."""
-        for name, tensor in (("hidden", hidden), ("routing", routing)):
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
-        if not self.providers:
-            return
-        hidden_size, num_experts = self.router[0].shape
-        if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
-            raise ValueError(f"hidden must be [T, H={hidden_size}], got {tuple(hidden.shape)}")
-        if routing.dim() != 3 or routing.shape[0] != self.num_layers or routing.shape[1] != hidden.shape[0]:
-            raise ValueError(
-                f"routing must be [L={self.num_layers}, T={hidden.shape[0]}, K], got {tuple(routing.shape)}"
-            )
-        if routing.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"routing must hold int32 or int64 ids, got {routing.dtype}")
-        if routing.device != hidden.device:
-            raise ValueError(f"routing is on {routing.device}, hidden on {hidden.device}")
-        if hidden.dtype != self.router[0].dtype or hidden.device != self.router[0].device:
-            raise TypeError(
-                f"hidden must be {self.router[0].dtype} on {self.router[0].device} (the stack's dtype and "
-                f"device), got {hidden.dtype} on {hidden.device}"
-            )
-        capturing = routing.is_cuda and torch.cuda.is_current_stream_capturing()
-        if routing.numel() and not capturing:  # one sync in an eager step; a graph replays checked shapes
-            low, high = int(routing.min()), int(routing.max())
-            if low < 0 or high >= num_experts:
-                raise ValueError(f"routing ids must lie in [0, {num_experts}), got {low}..{high}")
-
-    def _check_prefetch(self, prefetch: torch.Tensor, routing: torch.Tensor) -> None:
-        """Before any layer runs: predictions of the right shape, and caches that prefetch."""
-        if not isinstance(prefetch, torch.Tensor) or prefetch.dim() != 3 or prefetch.shape[:2] != routing.shape[:2]:
-            shape = tuple(prefetch.shape) if isinstance(prefetch, torch.Tensor) else type(prefetch).__name__
-            raise ValueError(f"prefetch must be [L, T, P] like routing's [L, T, K] {tuple(routing.shape)}, got {shape}")
-        first = 0 if self.across_steps else 1  # layer 0 gets rows only when hand-offs wrap
-        for index, provider in enumerate(self.providers[first:], start=first):
-            if getattr(provider, "mode", None) != "device" or not hasattr(provider, "prefetch"):
-                raise ValueError(
-                    f"prefetch needs device-mode caches for layers {first}..{self.num_layers - 1}; layer {index} is "
-                    f"{type(provider).__name__}{' in host mode' if getattr(provider, 'mode', None) == 'host' else ''}"
-                )
-            check = getattr(provider, "check_prefetch", None)
-            if check is not None:  # as its prefetch would: count, dtype, device, a pool of its own
-                check(prefetch[index])
-
-
-def _check_router_width(providers: Sequence[ExpertWeightProvider], num_experts: int) -> None:
-    """The router picks among ``num_experts``: every provider that says how many experts its
-    layer has (``num_global_experts``) must have as many, or a later layer would refuse the
-    ids after the layers before it had run."""
-    for index, provider in enumerate(providers):
-        experts = getattr(provider, "num_global_experts", None)
-        if experts is not None and experts != num_experts:
-            raise ValueError(
-                f"num_experts={num_experts} (the router's width) but layer {index}'s provider serves {experts} "
-                f"experts; give the stack its layers' expert count"
-            )
-
-
-class GraphedDecodeStep:
-    """``stack.step`` captured once in a ``torch.cuda.CUDAGraph``; replay with new inputs.
-
-    Construction runs ``warmup_routing.shape[0]`` eager steps (compiling the kernels) on a
-    side stream, joins it, then captures one step. The warm-up steps are real steps: with
-    a cache they admit experts like any other.
-
-    Args:
-        stack: the decode stack.
-        hidden: ``[T, H]`` example activations (shape and dtype of every later input).
-        warmup_routing: ``[W, L, T, K]`` routing of the warm-up steps (``W >= 1``).
-        warmup_prefetch: optional ``[W, L, T, P]`` predictions of the warm-up steps: the
-            graph then prefetches (``stack.step``'s ``prefetch``), and every replay takes them.
-    """
-
-    def __init__(
-        self,
-        stack: DecodeStack,
-        hidden: torch.Tensor,
-        warmup_routing: torch.Tensor,
-        warmup_prefetch: torch.Tensor | None = None,
-    ) -> None:
-        self.stack = stack
-        self.hidden = hidden.clone()
-        self.routing = warmup_routing[0].clone()
-        self.prefetch = None if warmup_prefetch is None else warmup_prefetch[0].clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for index, routing in enumerate(warmup_routing):
-                self.routing.copy_(routing)
-                if self.prefetch is not None and warmup_prefetch is not None:
-                    self.prefetch.copy_(warmup_prefetch[index])
-                stack.step(self.hidden, self.routing, self.prefetch)
-            self._finish_prefetches()  # across steps the last warm-up step left prefetches running
-        torch.cuda.current_stream().wait_stream(side)  # joined before capture begins
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.output = stack.step(self.hidden, self.routing, self.prefetch)
-
-    def __call__(
-        self, hidden: torch.Tensor, routing: torch.Tensor, prefetch: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Replay one step on ``hidden`` ``[T, H]`` with ``routing`` ``[L, T, K]`` (and
-        ``prefetch`` ``[L, T, P]`` exactly when the graph was captured with predictions).
-
-        Returns the graph's output buffer (overwritten by the next replay).
-
-        Raises:
-            ValueError / TypeError: ``prefetch`` given against how the graph was captured, an
-                input of another shape or dtype than the captured one (copying it in would
-                truncate float ids or round activations).
-        """
-        if (prefetch is None) != (self.prefetch is None):
-            raise ValueError("pass prefetch exactly when the graph was captured with warmup_prefetch")
-        for name, given, captured in (("hidden", hidden, self.hidden), ("routing", routing, self.routing),
-                                      ("prefetch", prefetch, self.prefetch)):  # fmt: skip
-            if given is not None and captured is not None and given.shape != captured.shape:
-                raise ValueError(
-                    f"{name} has shape {tuple(given.shape)}; the graph was captured with {tuple(captured.shape)}"
-                )
-            if given is not None and captured is not None and given.dtype != captured.dtype:
-                raise TypeError(f"{name} is {given.dtype}; the graph was captured with {captured.dtype}")
-        if self.stack.across_steps:  # an eager step before this replay may have left prefetches running
-            self._finish_prefetches()
-        self.hidden.copy_(hidden)
-        self.routing.copy_(routing)
-        if self.prefetch is not None and prefetch is not None:  # both or neither (checked above)
-            self.prefetch.copy_(prefetch)
-        self.graph.replay()
-        return self.output
-
-    def _finish_prefetches(self) -> None:
-        """Make the current stream wait for prefetch copies the caches still run (a no-op where
-        none does): a graph's calls wait only for the prefetches captured with them."""
-        for provider in self.stack.providers:
-            finish = getattr(provider, "finish_prefetch", None)
-            if finish is not None:
-                finish()

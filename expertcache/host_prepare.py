@@ -23,13 +23,17 @@ there restores the slots the plan overwrote (`mover.restore_slots`), the tables 
 counters (from the bytes read in step one), and makes the policy forget the call
 (``abort_call``), or, when one of its hooks raised in tell, puts it back as its
 ``snapshot()`` before plan left it.
+
+This module owns that sequence: the read (the one sync), the steps in order, the passes
+and the rollback. The keys a call's ids come to are `expertcache.host_keys`'; the host's
+copy of the table the planner reads, `expertcache.host_table`; the forward-pass starts
+the policy hears of, `expertcache.forward_tracker` (their public names importable from
+here too).
 """
 
 from __future__ import annotations
 
-import numbers
-import operator
-from collections.abc import Generator, Hashable, Iterator
+from collections.abc import Generator
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -38,32 +42,28 @@ import torch
 from expertcache.call_guards import deferred_interrupts
 from expertcache.call_plan import CallPlan, plan_call, tell_policy
 from expertcache.errors import CacheCapacityError
+from expertcache.forward_tracker import ForwardTracker
+from expertcache.host_keys import DEVICE_KEYS_MIN_IDS, first_positions, keys_from_first_positions, local_keys
+from expertcache.host_table import apply_plan, expert_to_slot, free_slots_in, key_row, slot_of_key
 from expertcache.kernels._launch import on_device
 from expertcache.kernels.commit import commit_plan
 from expertcache.mover import copy_with_engine, copy_with_kernel, restore_slots
 from expertcache.passes import group_passes
-from expertcache.validation import check_id_bounds
 
 if TYPE_CHECKING:
     from expertcache.pool_layers import PoolLayer
     from expertcache.slot_pool import SlotPool
 
-
-class ForwardTracker:
-    """Infers forward-pass starts for policies that rank by them: a layer coming round again."""
-
-    def __init__(self) -> None:
-        self._seen: set[Hashable] = set()
-
-    def starts_forward(self, layer: Hashable) -> bool:
-        """Whether a call of ``layer`` now would start a pass (changes nothing)."""
-        return not self._seen or layer in self._seen
-
-    def record(self, layer: Hashable) -> None:
-        """A call of ``layer`` completed."""
-        if layer in self._seen:
-            self._seen.clear()
-        self._seen.add(layer)
+__all__ = [
+    "DEVICE_KEYS_MIN_IDS",
+    "ForwardTracker",
+    "first_positions",
+    "key_row",
+    "keys_from_first_positions",
+    "local_keys",
+    "passes",
+    "prepare",
+]
 
 
 def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ def prepare(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor) -> torch.T
         keys, committed = _read_call(pool, layer, topk_ids)
         if len(keys) > pool.share:
             raise CacheCapacityError(len(keys), pool.share, layers=len(pool.layers))
-        table = _expert_to_slot(pool, committed)
+        table = expert_to_slot(pool, committed)
         return _serve(pool, layer, topk_ids.contiguous(), keys, table, torch.from_numpy(committed))[0]
 
 
@@ -90,7 +90,7 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bo
     ids = topk_ids.contiguous()
     with pool.guard, on_device(pool.device):
         keys, committed = _read_call(pool, layer, ids)
-        table = _expert_to_slot(pool, committed)
+        table = expert_to_slot(pool, committed)
         groups = group_passes(keys, [bool(table[key] >= 0) for key in keys], pool.share, overlap=overlap)
         if len(groups) == 1:
             only, _ = _serve(pool, layer, ids, keys, table, torch.from_numpy(committed))
@@ -103,12 +103,12 @@ def passes(pool: SlotPool, layer: PoolLayer, topk_ids: torch.Tensor, overlap: bo
         with pool.guard, on_device(pool.device):
             if index > 0 and pool.calls_begun != begun:  # another call ran between the passes
                 _, committed = _read(pool, None)
-                table, snapshot = _expert_to_slot(pool, committed).copy(), torch.from_numpy(committed)
+                table, snapshot = expert_to_slot(pool, committed).copy(), torch.from_numpy(committed)
             elif index > 0:  # the state the last pass committed, copied on the device (no sync)
                 snapshot = pool.tables.committed.clone()
             out, plan = _serve(pool, layer, ids, list(group), table, snapshot, passes=(pass_of, index))
             begun = pool.calls_begun
-            _apply_plan(table, plan)
+            apply_plan(table, plan)
         yield out
 
 
@@ -136,8 +136,8 @@ def _serve(
     with deferred_interrupts():
         before = policy.snapshot()
         plan = plan_call(
-            keys, table[keys].tolist(), slot_of=lambda key: _slot_of(table, key),
-            free_slots=lambda: _free_slots(table, pool.num_slots), policy=policy, starts_forward=starts_forward,
+            keys, table[keys].tolist(), slot_of=lambda key: slot_of_key(table, key),
+            free_slots=lambda: free_slots_in(table, pool.num_slots), policy=policy, starts_forward=starts_forward,
             floor=pool.floor(layer, table),
         )  # fmt: skip
         try:
@@ -164,45 +164,9 @@ def _take_back(pool: SlotPool, plan: CallPlan, snapshot: torch.Tensor) -> None:
     pool.tables.committed.copy_(snapshot)
 
 
-def _apply_plan(table: np.ndarray, plan: CallPlan) -> None:
-    """``table`` (``expert_to_slot``) as the commit of ``plan`` leaves it on the device."""
-    for load in plan.loads:
-        if load.evicted is not None:
-            table[cast(int, load.evicted)] = -1
-        table[cast(int, load.key)] = load.slot
-
-
-def key_row(key: object, num_keys: int) -> int:
-    """``key`` as a row of the pool's key tables, or -1 when it is no key of the pool (a
-    policy's victim may be anything: it must not be read as another key's row, as -1 or a
-    bool would be by numpy)."""
-    if isinstance(key, (bool, np.bool_)) or not isinstance(key, numbers.Integral):
-        return -1
-    row = operator.index(key)
-    return row if 0 <= row < num_keys else -1
-
-
-def _slot_of(table: np.ndarray, key: object) -> int:
-    """The slot of a victim ``key`` in ``table`` (``expert_to_slot``), -1 when it holds none
-    or is no key (`call_plan` then refuses it as not evictable)."""
-    row = key_row(key, table.size)
-    return -1 if row < 0 else int(table[row])
-
-
 def _check_not_compiling() -> None:
     if torch.compiler.is_compiling():
         raise RuntimeError("host mode reads ids on the host and cannot be compiled; use mode='device'")
-
-
-def _expert_to_slot(pool: SlotPool, committed: np.ndarray) -> np.ndarray:
-    """``expert_to_slot`` as it was when ``committed`` was read (the state bytes lead with it)."""
-    return committed[: pool.tables.num_keys * 4].view(np.int32)
-
-
-#: Calls of at least this many ids find their distinct experts on the device (each expert's
-#: first position, ``E_global`` values read back) instead of reading every id to the host: at
-#: 4096 tokens x top-8 the host's deduplication alone took ~1.3 ms a layer, with the GPU idle.
-DEVICE_KEYS_MIN_IDS = 1024
 
 
 def _read_call(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> tuple[list[int], np.ndarray]:
@@ -213,31 +177,6 @@ def _read_call(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor) -> tuple[lis
         return local_keys(layer, ids_host), committed
     summary, committed = _read(pool, first_positions(ids.reshape(-1), layer.num_global))
     return keys_from_first_positions(layer, summary, ids.numel()), committed
-
-
-def first_positions(flat_ids: torch.Tensor, num_global: int) -> torch.Tensor:
-    """``[E_global + 2]`` int64, on the ids' device, without a sync: the first flat position of
-    every global id (``N`` = absent; ids outside the range count as their nearest valid id
-    here), then the smallest and the largest id."""
-    positions = torch.arange(flat_ids.numel(), device=flat_ids.device)
-    first = torch.full((num_global,), flat_ids.numel(), dtype=torch.int64, device=flat_ids.device)
-    first.scatter_reduce_(0, flat_ids.long().clamp(0, num_global - 1), positions, "amin")
-    low, high = torch.aminmax(flat_ids.long())
-    return torch.cat([first, low.reshape(1), high.reshape(1)])
-
-
-def keys_from_first_positions(layer: PoolLayer, summary: np.ndarray, num_ids: int) -> list[int]:
-    """`local_keys` from `first_positions`' summary (read to the host).
-
-    Raises:
-        IndexError: an id outside ``[0, E_global)``.
-    """
-    first = summary[:-2]
-    if num_ids:
-        check_id_bounds(int(summary[-2]), int(summary[-1]), layer.num_global)
-    seen = np.flatnonzero(first < num_ids)
-    local = layer.global_to_local_host[seen[np.argsort(first[seen], kind="stable")]]
-    return (local[local >= 0] + layer.key_offset).tolist()
 
 
 def _pass_of_ids(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, groups: list[tuple[int, ...]]) -> torch.Tensor:
@@ -254,21 +193,6 @@ def _pass_of_ids(pool: SlotPool, layer: PoolLayer, ids: torch.Tensor, groups: li
     return table.to(pool.device, non_blocking=True)[ids.long()]
 
 
-def local_keys(layer: PoolLayer, ids_host: np.ndarray) -> list[int]:
-    """The call's distinct keys (``key_offset + local expert``) in first-appearance order.
-
-    Raises:
-        IndexError: an id outside ``[0, E_global)``.
-    """
-    flat = ids_host.reshape(-1)
-    if flat.size:
-        check_id_bounds(int(flat.min()), int(flat.max()), layer.num_global)
-    local = layer.global_to_local_host[flat]
-    local = local[local >= 0]
-    _, first = np.unique(local, return_index=True)
-    return (local[np.sort(first)] + layer.key_offset).tolist()
-
-
 def _read(pool: SlotPool, topk_ids: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
     """``topk_ids`` (when given) and the committed state (tables and counters, as bytes) on
     the host: the call's one sync. The state is what the planner reads and what a rollback
@@ -280,12 +204,6 @@ def _read(pool: SlotPool, topk_ids: torch.Tensor | None) -> tuple[np.ndarray, np
     committed_host = committed.to("cpu", non_blocking=True)
     torch.cuda.current_stream(pool.device).synchronize()
     return (np.empty(0) if ids_host is None else ids_host.numpy()), committed_host.numpy()
-
-
-def _free_slots(table: np.ndarray, num_slots: int) -> Iterator[int]:
-    occupied = np.zeros(num_slots, dtype=bool)
-    occupied[table[table >= 0]] = True
-    return iter(np.flatnonzero(~occupied).tolist())
 
 
 def _upload(pool: SlotPool, layer: PoolLayer, plan: CallPlan) -> None:

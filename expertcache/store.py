@@ -18,6 +18,11 @@ Lifetime: the buffer is unregistered and freed only after every CUDA device has 
 the work queued so far, so a copy still reading the store never reads freed memory
 (`expertcache.pinned_host`, which also says why a store must not be released while another
 thread captures a CUDA graph).
+
+This module owns the store (its buffer, regions, pinning, filling) and the coding passes
+that fill coded names (`encoding_device`, where they run). The checks of its coding
+settings are `expertcache.store_checks` (`check_compression` importable from here too); its
+tensors by name, coded ones decoded on access, `expertcache.stored_tensors`.
 """
 
 from __future__ import annotations
@@ -25,11 +30,10 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 
-from expertcache.compression import COMPRESSIONS
 from expertcache.errors import PinBudgetError
 from expertcache.exponent_analysis import analyse
 from expertcache.exponent_code import FLOAT16_FIELDS, ExponentCode, RecordFormat
@@ -37,7 +41,11 @@ from expertcache.exponent_decode import decode_records_torch as decode_records
 from expertcache.exponent_records import write_records
 from expertcache.layout import ExpertLayout, ExpertTensorSpec, layout_from_weights
 from expertcache.pinned_host import flush_released, register, release
+from expertcache.store_checks import check_coding_settings, check_compression
+from expertcache.stored_tensors import StoredTensors, spec_named
 from expertcache.validation import check_flag, check_int, check_pin_budget_bytes, resolve_device
+
+__all__ = ["CPUBackingStore", "check_compression", "encoding_device"]
 
 #: Stores coding more bytes than this show progress bars while they are encoded.
 _PROGRESS_BYTES = 1 << 28
@@ -92,7 +100,7 @@ class CPUBackingStore:
         check_flag("pin", pin)
         pin_budget_bytes = check_pin_budget_bytes(pin_budget_bytes)  # before any coding pass runs
         check_compression(compression, layout)
-        _check_coding_settings(compression, encode_device, progress)
+        check_coding_settings(compression, encode_device, progress)
         coder = _Coder(layout, weights, encode_device, progress) if compression else None
         if coder is not None and pin_budget_bytes is not None:  # refused before the (slow) analysis when
             least = layout.buffer_bytes(num_experts, coder.least_sizes())  # even the smallest records exceed it
@@ -131,7 +139,7 @@ class CPUBackingStore:
                     raw[spec.name] = region.view(spec.dtype).view(num_experts, *spec.shape)
                     raw[spec.name].copy_(weights[spec.name].detach())
             self.tensors: Mapping[str, torch.Tensor] = (
-                _StoredTensors(layout, raw, self.records, self.formats) if self.records else raw
+                StoredTensors(layout, raw, self.records, self.formats) if self.records else raw
             )
 
     @property
@@ -151,7 +159,7 @@ class CPUBackingStore:
         Raises:
             KeyError: ``name`` is not registered (the message lists the names that are).
         """
-        return _spec(self.layout, name)
+        return spec_named(self.layout, name)
 
     def expert(self, name: str, index: int) -> torch.Tensor:
         """Expert ``index``'s tensor ``name`` ``[*shape]``: a view (raw) or a decoded copy (coded).
@@ -165,67 +173,6 @@ class CPUBackingStore:
         if name not in self.records:
             return self.tensors[name][index]
         return decode_records(self.records[name][index : index + 1], self.formats[name]).view(spec.shape)
-
-
-def _spec(layout: ExpertLayout, name: object) -> ExpertTensorSpec:
-    for spec in layout.specs:
-        if spec.name == name:
-            return spec
-    raise KeyError(f"{name!r} is not a registered tensor; the store holds {[s.name for s in layout.specs]}")
-
-
-class _StoredTensors(Mapping):
-    """``{name: [E, *shape]}`` of a compressed store: raw views, coded names decoded on access.
-
-    It holds the store's parts, not the store: a reference back would make a cycle that
-    keeps the (pinned) buffer until the garbage collector happens to run."""
-
-    def __init__(
-        self,
-        layout: ExpertLayout,
-        raw: dict[str, torch.Tensor],
-        records: dict[str, torch.Tensor],
-        formats: dict[str, RecordFormat],
-    ) -> None:
-        self._layout, self._raw, self._records, self._formats = layout, raw, records, formats
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self._raw:
-            return self._raw[name]
-        spec = _spec(self._layout, name)  # KeyError if absent: `in` and `get` rely on it
-        records = self._records[name]
-        return decode_records(records, self._formats[name]).view(records.shape[0], *spec.shape)
-
-    def __iter__(self) -> Iterator[str]:
-        return (spec.name for spec in self._layout.specs)
-
-    def __len__(self) -> int:
-        return len(self._layout.specs)
-
-
-def check_compression(compression: object, layout: ExpertLayout) -> None:
-    """Raise ValueError unless ``compression`` is None or a name that applies to ``layout``."""
-    if compression is None:
-        return
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
-    dtypes = {spec.name: spec.dtype for spec in layout.specs}
-    wrong = {name: str(dtypes[name]) for name in ("w1", "w2") if dtypes[name] not in FLOAT16_FIELDS}
-    if wrong:
-        raise ValueError(
-            f"compression={compression!r} codes bfloat16 or float16 experts losslessly; "
-            f"the expert matrices are {wrong}: store them raw (compression=None)"
-        )
-
-
-def _check_coding_settings(compression: str | None, encode_device: object, progress: object) -> None:
-    """Refuse a progress that is not a bool or None, and coding settings that would change
-    nothing: an ``encode_device`` or ``progress=True`` without compression."""
-    if progress is not None:
-        check_flag("progress", progress)
-    given = "encode_device" if encode_device is not None else "progress=True" if progress else None
-    if compression is None and given:
-        raise ValueError(f"{given} applies with compression='exponent'; without compression nothing is coded")
 
 
 def encoding_device(weights: Mapping[str, torch.Tensor], requested: torch.device | str | None = None) -> torch.device:
