@@ -18,6 +18,11 @@ validates its inputs and picks the grid, and a pure-torch reference named ``*_to
     quant_common.py  in-register fp8 / e2m1 / e8m0 decoding, activations, input checks
     slot_tables.py   SlotTables: the state the cache kernels read and write
 
+A launcher whose kernels are long keeps them in a sibling module (``*_kernels.py``:
+``copy_experts_kernels``, ``decode_copy_kernels``, ``expert_apply_kernels``,
+``grouped_apply_kernels``, ``quant_apply_kernels``; ``admission_kernels`` with
+``admission_victims``); ``sum_over_k.py`` is the last step every apply shares.
+
 No kernel uses ``@triton.autotune`` (it needs a GPU driver): block sizes are chosen by the
 launcher, so the kernels also run under ``TRITON_INTERPRET=1`` on a CPU.
 """

@@ -5,7 +5,8 @@
 sum over k), reading ``w1[idx]`` / ``w2[idx]`` in place. ``w1``/``w2`` may be fully resident
 ``[E, ...]`` weights indexed by expert ids or a slot pool ``[S, ...]`` indexed by slot ids:
 the same kernels run either way, so a cache hit costs what the all-resident path costs,
-and both give bit-identical outputs. Three launches, no atomics (deterministic)::
+and both give bit-identical outputs. Three launches, no atomic adds into any output
+(deterministic; atomics only count invalid ids and signal landed or finished pairs)::
 
     gate_up  grid (T*K, I/BLOCK_I):  act[t,k]   = silu(W1g[e] @ x_t) * (W1u[e] @ x_t)   fp32
     down     grid (T*K, H/BLOCK_H):  part[t,k]  = topk_weight[t,k] * (W2[e] @ act[t,k])  fp32

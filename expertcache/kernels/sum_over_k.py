@@ -2,8 +2,8 @@
 
 Each apply (`expert_apply`, `grouped_apply`, `quant_apply`, `quant_grouped`, `apply_passes`)
 writes every (token, choice)'s weighted expert output into an fp32 ``part`` ``[T*K, H]``;
-`launch_sum` sums it over k in k order (no atomics: deterministic), rounds it to the output's
-dtype and adds the ids outside ``[-1, N)`` to an optional counter (checking them on the host
+`launch_sum` sums it over k in k order (no atomic adds: deterministic), rounds it to the
+output's dtype and adds the ids outside ``[-1, N)`` to an optional counter (checking them on the host
 would need a sync). With ``PDL`` (sm_90+) the kernel launches while the down kernel runs and
 waits for its ``part`` on the GPU.
 """
