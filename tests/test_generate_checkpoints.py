@@ -193,7 +193,7 @@ def test_an_fp8_checkpoint_is_served_packed_with_the_projects_kernels(tmp_path, 
     command stopped there) and equal the uncached model computing the same way."""
     pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints only with accelerate")
     write_fp8_checkpoint(tmp_path)
-    status, out, err = _generate(tmp_path, capfd, "--compare", "--device", "cuda")
+    status, out, err = _generate(tmp_path, capfd, "--compare", device="cuda")
     assert status == 0, err
     assert f"experts: FP8 values and scales of {SIZES.num_moe_layers} MoE layers, served packed" in out
     assert f"experts computed with {QUANT_IMPLEMENTATION} (--experts-implementation names another)" in out

@@ -32,6 +32,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import HAS_CUDA
 from test_transformers_quantized import SIZES, fp8_models, write_mxfp4_checkpoint
 from torch import nn
 from transformers_helpers import logits_of, prompt, tiny_model
@@ -72,14 +73,14 @@ def _checkpoint(base, directory, *, state=None, config=None):
     return directory
 
 
-def _generate(directory, capfd, *extra):
+def _generate(directory, capfd, *extra, device="cpu"):
     import sys
 
     from transformers.utils import logging as transformers_logging
 
     capfd.readouterr()  # what writing the checkpoint printed
     argv = ["generate", "--model", str(directory), "--moe-expert-cache-size", "2", "--prompt",
-            " ".join(map(str, PROMPT)), "--max-new-tokens", str(NEW), "--device", "cpu", *extra]  # fmt: skip
+            " ".join(map(str, PROMPT)), "--max-new-tokens", str(NEW), "--device", device, *extra]  # fmt: skip
     # transformers' log handler (its load report) keeps the sys.stderr of the process's first log,
     # in pytest an earlier test's capture: write to this one's while generate runs
     transformers_logging.get_verbosity()  # sets the handler up
@@ -274,8 +275,10 @@ def test_accepted_runs_generate_transformers_tokens(
     if flags == ["--save-trace"]:
         flags = ["--save-trace", str(tmp_path / "trace.npz")]
     chosen = [] if implementation is None else ["--experts-implementation", implementation]
+    # device mode on the CPU runs Triton's interpreter, which a machine with a GPU does not set up
+    device = "cuda" if mode == "device" and HAS_CUDA else "cpu"
     status, out, err = _generate(base_checkpoint, capfd, *chosen, "--moe-expert-cache-mode", mode,
-                                 "--moe-expert-cache-budget", budget, *flags)  # fmt: skip
+                                 "--moe-expert-cache-budget", budget, *flags, device=device)  # fmt: skip
     assert status == 0, err
     packed = f"experts: MXFP4 blocks and scales of {SIZES.num_moe_layers} MoE layers, served packed"
     assert out.splitlines()[0] == packed
