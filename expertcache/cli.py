@@ -13,7 +13,9 @@ refused by the parser (`CommandLineParser`), and `main` turns what a command rai
 bad input (ValueError, TypeError, OSError: a missing file, a malformed trace or manifest)
 into ``expertcache <command>: error: <message>`` (a warning is one line too:
 ``expertcache <command>: warning: <message>``), and a missing optional package (the
-``transformers`` extra) into a line saying how to install it. A reader of the output that
+``transformers`` extra) into a line saying how to install it, and a GPU out of memory
+(`torch.OutOfMemoryError`) into a line saying how much torch tried to allocate and which flags
+ask for less. Any other exception is a bug and keeps its traceback. A reader of the output that
 goes away (``expertcache plan ... | head``) ends the command quietly, as it ends any tool.
 """
 
@@ -232,12 +234,25 @@ def describe_error(error: BaseException) -> str:
     return one_line(str(error)) or type(error).__name__
 
 
+def out_of_memory(error: BaseException, command: str) -> str:
+    """One line for running out of GPU memory: torch's first sentence (how much it tried to
+    allocate) and, for ``generate``, which flags ask for less."""
+    said = one_line(str(error))
+    tried = said.split(" GPU ")[0] if "Tried to allocate" in said else said
+    less = (
+        "a smaller --moe-expert-cache-size, a shorter prompt or fewer --max-new-tokens"
+        if command == "generate"
+        else "fewer --new-tokens"
+    )
+    return f"out of GPU memory ({tried.rstrip('.') or 'no details'}); free memory on the GPU or ask for less: {less}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``expertcache`` with ``argv`` (default: the process's arguments).
 
     Returns:
-        The exit status: 0 done, 1 the command's check failed (tokens differ), 2 bad input
-        or a missing optional package (one line on stderr), 130 interrupted, 141 the reader
+        The exit status: 0 done, 1 the command's check failed (tokens differ), 2 bad input,
+        a missing optional package or a GPU out of memory (one line on stderr), 130 interrupted, 141 the reader
         of the output went away (nothing said).
     """
     try:
@@ -256,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         return STATUS_PIPE_CLOSED
     except EXPECTED_ERRORS as error:
         print(f"expertcache {args.command}: error: {describe_error(error)}", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError as error:  # a RuntimeError, but the GPU's size, not a bug
+        print(f"expertcache {args.command}: error: {out_of_memory(error, args.command)}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:
         extra = OPTIONAL_PACKAGES.get(error.name or "")  # the package itself, not a module it lacks
