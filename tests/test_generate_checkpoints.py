@@ -172,16 +172,18 @@ def test_an_fp8_checkpoint_generates_transformers_tokens(tmp_path, capfd):
     assert "served packed" not in out  # dequantized by transformers without a GPU: float experts
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="a CPU load: transformers dequantizes, reading the hub's scale names only")
+@pytest.mark.usefixtures("weights_never_read")
 def test_fp8_scales_under_names_transformers_does_not_read_are_refused(tmp_path, capfd):
     """Without a GPU transformers dequantizes with the hub layout's scales; fused ones were
     dropped with a report and the e4m3 values computed unscaled (a RuntimeError traceback
-    from the experts implementation)."""
-    pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints only with accelerate")
+    from the experts implementation). Refused from the headers, before any weight is read,
+    naming the weights without scales and the scales that no weight reads."""
     write_fp8_checkpoint(tmp_path, scale_names="fused")
     _assert_refused(
         *_generate(tmp_path, capfd),
-        r"holds 4 expert tensors the model does not use \(model\.layers\.0\.mlp\.experts\.down_proj_scale_inv, ",
+        r"model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight F8_E4M3 has no weight_scale_inv; and 46 more; "
+        r"scales beside no FP8 weight: model\.layers\.0\.mlp\.experts\.down_proj_scale_inv, "
+        r"model\.layers\.0\.mlp\.experts\.gate_up_proj_scale_inv, and 2 more\)",
     )
 
 

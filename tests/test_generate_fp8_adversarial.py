@@ -5,6 +5,8 @@ transformers' dequantization takes each weight's blocks from the grid of the sca
 (not from config.json's ``weight_block_size``), loads an FP8 weight without a scale as it is and
 multiplies a float weight beside a scale by it, all without a word in its load report. So:
 
+Every refusal comes from the safetensors headers before any weight is read (on a GPU too).
+
 1. FP8 weights without their ``weight_scale_inv`` are refused in one line, nothing on stdout:
    an expert projection's (it stayed float8 in the experts: a RuntimeError traceback mid-
    generation, exit status 1, with the model's lines on stdout; one layer's under the global
@@ -26,17 +28,24 @@ multiplies a float weight beside a scale by it, all without a word in its load r
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 from conftest import HAS_CUDA
 from test_generate_checkpoints import BLOCK, _transformers_tokens, write_fp8_checkpoint
-from test_generate_mxfp4_adversarial import _assert_refused, _checkpoint, _generate
+from test_generate_mxfp4_adversarial import (
+    _assert_refused,
+    _checkpoint,
+    _generate,
+    weights_never_read,  # noqa: F401 - a fixture, used by name
+)
 
 from expertcache.quant_fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 
-pytestmark = pytest.mark.skipif(HAS_CUDA, reason="a CPU load: transformers dequantizes FP8 (on a GPU, packed)")
+#: what transformers' CPU load does: on a GPU it keeps FP8 packed
+cpu_load = pytest.mark.skipif(HAS_CUDA, reason="a CPU load: transformers dequantizes FP8 (on a GPU, packed)")
 EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.\w+_proj\.weight$")
 PAIR_UP = r"the FP8 weights and scales do not pair up as quantization_config\.weight_block_size "
 
@@ -198,6 +207,7 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("family, edit, flags, match", REFUSED)
+@pytest.mark.usefixtures("weights_never_read")  # refused from the safetensors headers
 def test_fp8_weights_and_scales_that_do_not_pair_up_are_refused(bases, tmp_path, capfd, family, edit, flags, match):
     directory = _checkpoint(bases[family], tmp_path / "ckpt", **edit)
     before = sorted(path.name for path in directory.iterdir())
@@ -207,6 +217,41 @@ def test_fp8_weights_and_scales_that_do_not_pair_up_are_refused(bases, tmp_path,
     assert sorted(path.name for path in directory.iterdir()) == before  # nothing written
 
 
+def _truncated(directory):
+    data = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(data[:100])
+
+
+def _sharded_with_a_shard_missing(directory):
+    (directory / "model.safetensors").rename(directory / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _index_not_json(directory):
+    (directory / "model.safetensors").rename(directory / "model-00001-of-00001.safetensors")
+    (directory / "model.safetensors.index.json").write_text("{not json")
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (_truncated, r"cannot load the weights \(SafetensorError: .*\)$"),
+        (_sharded_with_a_shard_missing, r"cannot load the weights \(FileNotFoundError: .*model-00002-of-00002"),
+        (_index_not_json, r"cannot load the weights \(model\.safetensors\.index\.json is not a JSON object"),
+    ],
+    ids=["truncated", "shard-missing", "index-not-json"],
+)
+@pytest.mark.usefixtures("weights_never_read")
+def test_fp8_headers_that_cannot_be_read_are_a_refused_load(bases, tmp_path, capfd, damage, match):
+    """The FP8 check reads the headers before the load: a file it cannot read is refused as the
+    load would be, in one line, before any weight is read."""
+    directory = _checkpoint(bases["qwen3_moe"], tmp_path / "ckpt")
+    damage(directory)
+    _assert_refused(*_generate(directory, capfd), match)
+
+
+@cpu_load
 def test_transformers_loads_an_fp8_weight_without_its_scale_unscaled(bases, tmp_path):
     """Why the refusal: the load report is empty and the weight is the e4m3 values as they are."""
     from safetensors.torch import load_file
@@ -238,6 +283,7 @@ ACCEPTED = [
 ]  # fmt: skip
 
 
+@cpu_load
 @pytest.mark.parametrize("family, edit", ACCEPTED)
 def test_fine_fp8_checkpoints_generate_transformers_tokens(bases, tmp_path, capfd, family, edit):
     directory = _checkpoint(bases[family], tmp_path / "ckpt", **edit)

@@ -1,8 +1,9 @@
 """An FP8 checkpoint's weights against their scales, read from the safetensors headers.
 
-`check_fp8_scales` runs once `expertcache generate` has loaded an FP8 checkpoint: without a
-GPU, transformers dequantizes each FP8 weight on the grid of whatever scale lies beside it and
-says nothing when that grid is not ``quantization_config.weight_block_size``'s.
+`check_fp8_scales` runs before `expertcache generate` loads an FP8 checkpoint: without a GPU,
+transformers dequantizes each FP8 weight on the grid of whatever scale lies beside it and says
+nothing when that grid is not ``quantization_config.weight_block_size``'s. Only the headers are
+read, so a bad checkpoint is refused before its weights are.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from expertcache.commands.generate_checks import quantization_method, read_model_config
+from expertcache.commands.generate_checks import quantization_method
 
 #: safetensors' names of the FP8 value dtypes, and of the float dtypes no FP8 scale belongs beside
 _FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -19,22 +20,27 @@ _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 _FP8_SCALE_SUFFIXES = ("weight_scale_inv", "scale", "qscale_weight")
 
 
-def check_fp8_scales(path: Path) -> None:
+def check_fp8_scales(path: Path, model_config) -> None:
     """Refuse an FP8 checkpoint whose weights and scales do not pair up as config.json's
     ``weight_block_size`` says (read from the safetensors headers). Without a GPU transformers
     dequantizes each weight on the grid of whatever scale lies beside it and says nothing when
     that grid is not the config's (scales transposed or too few), when a weight has no scale (a
     dense one loads its e4m3 values unscaled; an expert projection stays float8, which no experts
     function multiplies: a traceback mid-generation), or when the weight beside a scale is float
-    already (multiplied by it again). Run after the load, whose own refusals come first.
+    already (multiplied by it again).
+
+    Args:
+        path: the checkpoint directory.
+        model_config: its transformers config (`read_model_config`); nothing is checked unless
+            its ``quantization_config`` is FP8.
 
     Raises:
-        ValueError: the first such tensors, in one line.
+        ValueError: the first such tensors, in one line; or, as a refused load (``--model DIR:
+            cannot load the weights (...)``), headers that cannot be read (the index not JSON,
+            a shard missing or not safetensors).
     """
-    from transformers import AutoConfig
     from transformers.quantizers.auto import AutoQuantizationConfig
 
-    model_config = read_model_config(AutoConfig, path)
     if quantization_method(model_config) != "fp8":
         return
     quantization = model_config.quantization_config
@@ -43,7 +49,11 @@ def check_fp8_scales(path: Path) -> None:
     headers = _safetensors_headers(path)
     problems = [problem for name in headers if (problem := _fp8_problem(name, headers, block))]
     if problems:
-        shown = "; ".join(problems[:2]) + (f"; and {len(problems) - 2} more" if len(problems) > 2 else "")
+        shown = _first(problems, "; ")
+        paired = {_scale_of(name, headers) for name in headers}
+        unpaired = [name for name in headers if "scale" in name.rsplit(".", 1)[-1] and name not in paired]
+        if unpaired:  # scales under names no weight reads: what the user should look at
+            shown += f"; scales beside no FP8 weight: {_first(unpaired, ', ')}"
         raise ValueError(
             f"--model {path}: the FP8 weights and scales do not pair up as quantization_config.weight_block_size "
             f"{None if block is None else list(block)} says ({shown}); transformers would load them mis-scaled"
@@ -52,22 +62,43 @@ def check_fp8_scales(path: Path) -> None:
 
 def _safetensors_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
     """Tensor name -> (safetensors dtype name, shape) from the headers; empty for a checkpoint
-    of ``pytorch_model*.bin`` files, which have no headers to read."""
-    from safetensors import safe_open
+    of ``pytorch_model*.bin`` files, which have no headers to read.
+
+    Raises:
+        ValueError: ``--model DIR: cannot load the weights (...)``: the index is not JSON with a
+            weight map, or a file it names is missing or not safetensors.
+    """
+    from safetensors import SafetensorError, safe_open
 
     from expertcache.integrations.transformers.packed_models import safetensors_files
 
-    try:
-        files = safetensors_files(path)
-    except ValueError:  # no safetensors: transformers loaded the .bin files
+    has_safetensors = any((path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
+    if not has_safetensors:  # transformers loads the .bin files
         return {}
     headers = {}
-    for file in sorted(set(files.values())):
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                part = handle.get_slice(name)
-                headers[name] = (part.get_dtype(), list(part.get_shape()))
+    try:
+        for file in sorted(set(safetensors_files(path).values())):
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    part = handle.get_slice(name)
+                    headers[name] = (part.get_dtype(), list(part.get_shape()))
+    except (OSError, ValueError, SafetensorError) as error:
+        reason = str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
+        raise ValueError(f"--model {path}: cannot load the weights ({reason})") from None
     return headers
+
+
+def _first(items: list[str], separator: str) -> str:
+    """The first two of ``items`` and how many more."""
+    return separator.join(items[:2]) + (f"{separator}and {len(items) - 2} more" if len(items) > 2 else "")
+
+
+def _scale_of(name: str, headers) -> str | None:
+    """The scale transformers reads for weight ``name`` (``X.weight``): ``X.<suffix>``, else None."""
+    if not name.endswith(".weight"):
+        return None
+    stem = name.removesuffix("weight")
+    return next((stem + suffix for suffix in _FP8_SCALE_SUFFIXES if stem + suffix in headers), None)
 
 
 def _fp8_problem(name: str, headers, block) -> str:
@@ -75,8 +106,7 @@ def _fp8_problem(name: str, headers, block) -> str:
     without a scale or with one off its grid of ``block``, or a scale beside a float weight."""
     dtype, shape = headers[name]
     if name.endswith(".weight") and dtype in _FP8_DTYPES and len(shape) >= 2:
-        stem = name.removesuffix("weight")
-        scale = next((stem + suffix for suffix in _FP8_SCALE_SUFFIXES if stem + suffix in headers), None)
+        scale = _scale_of(name, headers)
         if scale is None:
             return f"{name} {dtype} has no weight_scale_inv"
         grid = [1, 1] if block is None else [-(-shape[-2] // block[0]), -(-shape[-1] // block[1])]

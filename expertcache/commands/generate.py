@@ -10,7 +10,8 @@ that load: not a quantized checkpoint, but a GPT-OSS MXFP4 one, whose packed exp
 copy is given from the safetensors headers), the prompt against the tokenizer or the
 vocabulary and, with ``--max-new-tokens``, against the model's positions, and a
 ``quant_method`` transformers does not know (it would load the packed tensors as unknown
-ones). Each failure is one line, exit status 2. A GPT-OSS MXFP4 checkpoint is served packed
+ones), and an FP8 checkpoint's weights against its scales (from the safetensors headers:
+`expertcache.commands.fp8_checks`). Each failure is one line, exit status 2. A GPT-OSS MXFP4 checkpoint is served packed
 (`generate_run`).
 
 This module owns the flags (`register`) and the order of the work (`run`); the checks and
@@ -26,6 +27,7 @@ import dataclasses
 from expertcache.cli import add_cache_arguments, cache_config_from_args
 from expertcache.commands.arguments import check_sequence_length, device_name, input_path, output_file, positive_int
 from expertcache.commands.files import check_distinct
+from expertcache.commands.fp8_checks import check_fp8_scales
 from expertcache.commands.generate_checks import (
     build_skeleton,
     check_directory,
@@ -127,6 +129,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     mxfp4 = quantization_method(model_config) == "mxfp4"
     # MXFP4: the checks run on the packed experts that will be served, before the checkpoint loads
     served, exact = mxfp4_blocks(args.model, skeleton) if mxfp4 else (blocks, False)
+    check_fp8_scales(args.model, model_config)  # FP8: weights against scales, from the headers
     check_serving(skeleton, served, config, args.experts_implementation, parser, exact=exact)
     tokenizer = load_tokenizer(args.model)
     input_ids = prompt_ids(args.prompt, tokenizer, model_config, parser).to(device)

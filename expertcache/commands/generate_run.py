@@ -2,8 +2,7 @@
 
 `load_and_generate` loads the checkpoint's weights (transformers' load output held back
 until the load is accepted: `expertcache.commands.load_output`), refuses one that leaves
-parameters without weights, holds expert tensors the model does not use or FP8 weights and
-scales that do not pair up (`check_fp8_scales`: transformers loads them mis-scaled), keeps an MXFP4
+parameters without weights or holds expert tensors the model does not use, keeps an MXFP4
 checkpoint's experts packed (transformers loads GPT-OSS dequantized where its hub kernels
 are not at hand, which is everywhere offline; `load_mxfp4_experts` then puts the
 checkpoint's blocks and scales back, 4x fewer bytes a miss than bf16), computes packed
@@ -128,8 +127,8 @@ def _packed_format(model) -> str | None:
 
 def _load_weights(path: Path, experts: list[str], *, mxfp4: bool):
     """The checkpoint's model with its weights, refused (ValueError, one line) when it cannot
-    load, leaves parameters without weights, holds expert tensors the model does not use or
-    FP8 weights and scales that do not pair up; with ``mxfp4``, its experts packed.
+    load, leaves parameters without weights or holds expert tensors the model does not use;
+    with ``mxfp4``, its experts packed.
 
     Args:
         path: the checkpoint directory.
@@ -145,7 +144,6 @@ def _load_weights(path: Path, experts: list[str], *, mxfp4: bool):
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import Mxfp4Config
 
-    from expertcache.commands.fp8_checks import check_fp8_scales
     from expertcache.integrations.transformers import load_mxfp4_experts
 
     # MXFP4: dequantized by transformers (the hub's kernels are not needed), then packed again below
@@ -171,7 +169,6 @@ def _load_weights(path: Path, experts: list[str], *, mxfp4: bool):
     model, loading = loaded
     _check_nothing_missing(path, loading["missing_keys"])
     _check_experts_use_everything(path, experts, loading["unexpected_keys"])
-    check_fp8_scales(path)
     if mxfp4:
         load_mxfp4_experts(model, path)
     return model, held
