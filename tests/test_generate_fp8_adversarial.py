@@ -141,6 +141,16 @@ def _activation_scales(tensors):
         tensors[key.replace("weight_scale_inv", "activation_scale")] = torch.tensor([0.5])
 
 
+def _both(first, second):
+    """The checkpoint edit ``first`` then ``second``."""
+
+    def edit(tensors):
+        first(tensors)
+        second(tensors)
+
+    return edit
+
+
 def _quantization(**fields):
     """Set (a value) or remove (``...``) fields of config.json's quantization_config."""
 
@@ -172,6 +182,10 @@ REFUSED = [
                  rf"model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight {NO_SCALE}", id="one-layer-global"),
     pytest.param("qwen3_moe", {"state": _drop_scales(ONE_LAYERS_DOWN)}, ["--moe-expert-cache-budget", "per-layer"],
                  rf"model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight {NO_SCALE}", id="one-layer-per-layer"),
+    # an activation's scale is not a weight's: not listed among the scales no weight reads
+    pytest.param("qwen3_moe", {"state": _both(_activation_scales, _drop_scales(ONE_LAYERS_DOWN)),
+                               "config": _quantization(activation_scheme="static")}, [],
+                 rf"down_proj\.weight {NO_SCALE}; and 6 more\); transformers would", id="static-one-layer"),
     # was: "experts: FP8 values and scales ..., served packed" on stdout, then the error
     pytest.param("qwen3_moe", {"state": _drop_scales(".")}, [], rf"{NO_SCALE}; .*; and 46 more", id="no-scales"),
     # was: the e4m3 values loaded unscaled as the weights, exit status 0

@@ -51,7 +51,7 @@ def check_fp8_scales(path: Path, model_config) -> None:
     if problems:
         shown = _first(problems, "; ")
         paired = {_scale_of(name, headers) for name in headers}
-        unpaired = [name for name in headers if "scale" in name.rsplit(".", 1)[-1] and name not in paired]
+        unpaired = [name for name in headers if _is_weight_scale(name) and name not in paired]
         if unpaired:  # scales under names no weight reads: what the user should look at
             shown += f"; scales beside no FP8 weight: {_first(unpaired, ', ')}"
         raise ValueError(
@@ -91,6 +91,12 @@ def _safetensors_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
 def _first(items: list[str], separator: str) -> str:
     """The first two of ``items`` and how many more."""
     return separator.join(items[:2]) + (f"{separator}and {len(items) - 2} more" if len(items) > 2 else "")
+
+
+def _is_weight_scale(name: str) -> bool:
+    """Whether ``name`` looks like a weight's scale (not an activation's ``input_scale``)."""
+    last = name.rsplit(".", 1)[-1]
+    return last.endswith("scale_inv") or "weight_scale" in last or last in _FP8_SCALE_SUFFIXES
 
 
 def _scale_of(name: str, headers) -> str | None:
