@@ -192,9 +192,17 @@ def test_fp8_scales_under_names_transformers_does_not_read_are_refused(tmp_path,
 def test_an_fp8_checkpoint_is_served_packed_with_the_projects_kernels(tmp_path, capfd):
     """On a GPU transformers keeps the e4m3 experts; with no implementation named they compute
     with the project's kernels (transformers' FP8 functions need the hub's kernel: offline, the
-    command stopped there) and equal the uncached model computing the same way."""
+    command stopped there) and equal the uncached model computing the same way. The tiny
+    checkpoint's attention is float: config.json says so (``modules_to_not_convert``), else
+    transformers' GPU load expects FP8 attention with scales and the command refuses the
+    checkpoint as missing them."""
+    import json
+
     pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints only with accelerate")
     write_fp8_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "self_attn"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
     status, out, err = _generate(tmp_path, capfd, "--compare", device="cuda")
     assert status == 0, err
     assert f"experts: FP8 values and scales of {SIZES.num_moe_layers} MoE layers, served packed" in out
