@@ -201,7 +201,7 @@ def test_an_fp8_checkpoint_is_served_packed_with_the_projects_kernels(tmp_path, 
     pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints only with accelerate")
     write_fp8_checkpoint(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "self_attn"]
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "q_proj", "k_proj", "v_proj", "o_proj"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     status, out, err = _generate(tmp_path, capfd, "--compare", device="cuda")
     assert status == 0, err
