@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from expertcache.commands.generate_checks import quantization_method
+from expertcache.commands.generate_checks import quantization_method, refused_load
 
 #: safetensors' names of the FP8 value dtypes, and of the float dtypes no FP8 scale belongs beside
 _FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -83,8 +83,7 @@ def _safetensors_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
                     part = handle.get_slice(name)
                     headers[name] = (part.get_dtype(), list(part.get_shape()))
     except (OSError, ValueError, SafetensorError) as error:
-        reason = str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
-        raise ValueError(f"--model {path}: cannot load the weights ({reason})") from None
+        raise refused_load(path, error) from None
     return headers
 
 

@@ -121,19 +121,24 @@ def mxfp4_blocks(path: Path, skeleton):
     from expertcache.integrations.transformers import find_expert_blocks, load_mxfp4_experts
     from expertcache.integrations.transformers.packed_models import Mxfp4Experts, mxfp4_headers
 
-    def refused(reason: str) -> ValueError:
-        return ValueError(f"--model {path}: cannot load the weights ({reason})")
-
     try:
         stand_ins, _ = mxfp4_headers(path)
     except (OSError, ValueError, SafetensorError) as error:
-        raise refused(str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}") from None
+        raise refused_load(path, error) from None
     try:
         load_mxfp4_experts(skeleton, stand_ins)
     except (ValueError, TypeError) as error:
-        raise refused(str(error)) from None
+        raise refused_load(path, str(error)) from None
     blocks = find_expert_blocks(skeleton)
     return blocks, all(isinstance(block.module, Mxfp4Experts) for block in blocks)
+
+
+def refused_load(path: Path, error: BaseException | str) -> ValueError:
+    """``--model DIR: cannot load the weights (<reason>)``: what a checkpoint whose files cannot
+    be read (before the load or by it) is refused with; an error other than a plain ValueError
+    is named by its type."""
+    reason = error if isinstance(error, str) or type(error) is ValueError else f"{type(error).__name__}: {error}"
+    return ValueError(f"--model {path}: cannot load the weights ({reason})")
 
 
 def check_directory(path: Path, parser: argparse.ArgumentParser) -> None:
