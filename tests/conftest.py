@@ -1,5 +1,6 @@
-"""Test set-up: Triton kernels run interpreted on CPU-only machines; GPU tests are marked; the
-suite runs over pytest-xdist workers when it is installed.
+"""Test set-up: Triton kernels run interpreted on CPU-only machines (without the interpreter's
+repeated patching, `triton_interpreter`); GPU tests are marked; the suite runs over
+pytest-xdist workers when it is installed.
 
 ``TRITON_INTERPRET`` must be set before any kernel module is imported, so it happens here,
 before the test modules import expertcache.
@@ -16,6 +17,10 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from triton_interpreter import install as skip_repeated_lang_patches  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    skip_repeated_lang_patches()  # the interpreted kernels' time, ~30% of it (tests/triton_interpreter.py)
 
 
 @pytest.hookimpl(tryfirst=True)
