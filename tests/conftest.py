@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from triton_interpreter import install as skip_repeated_lang_patches  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    skip_repeated_lang_patches()  # the interpreted kernels' time, ~30% of it (tests/triton_interpreter.py)
+    skip_repeated_lang_patches()  # 29% of two interpreted test files' time (tests/triton_interpreter.py)
 
 
 @pytest.hookimpl(tryfirst=True)
